@@ -1,0 +1,72 @@
+"""dsv41-jax: DeepSeek-V4.1 sparse MLA attention for JAX.
+
+Sliding-window + compressed-KV + top-k sparse attention (FlashMLA semantics) with a pure-jnp
+reference (`impl="xla"`), Pallas Mosaic GPU kernels (`impl="pallas"`) and CUDA kernels behind
+XLA FFI (`impl="cuda"`). Everything public is importable from this module.
+"""
+
+from dsv41_jax import attention, backends, buckets, config, kv_cache, layer_types, metadata, reference, rope, scheduler
+from dsv41_jax.attention import (
+    DecodeCall,
+    PrefillCall,
+    sparse_mla_decode,
+    sparse_mla_mega_decode,
+    sparse_mla_mega_prefill,
+    sparse_mla_prefill,
+)
+from dsv41_jax.backends import (
+    FLASHMLA_MEGA_ATTN_DSV41,
+    FLASHMLA_SPARSE_DSV41,
+    PALLAS_SPARSE_DSV41,
+    XLA_SPARSE_DSV41,
+    BackendSelectionError,
+    BackendSpec,
+    DeviceInfo,
+    canonical_kv_cache_dtype,
+    register_backend,
+    registered_backends,
+    select_backend,
+)
+from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
+from dsv41_jax.config import (
+    PRESETS,
+    TINY,
+    V4_FLASH,
+    V41_FLASH,
+    DeepseekV4AttentionConfig,
+    LayerRole,
+    RopeScaling,
+    get_preset,
+)
+from dsv41_jax.layer_types import (
+    DecodePlanSpec,
+    decode_plan_spec,
+    deepseek_v40_layer_type,
+    deepseek_v41_layer_type,
+    required_layer_types,
+)
+from dsv41_jax.metadata import (
+    CommonAttentionMetadata,
+    DecodePrefillSplit,
+    DeepseekSparseSWAMetadata,
+    DeepseekV4FlashMLAMetadata,
+    PrefillChunk,
+    build_flashmla_metadata,
+    build_sparse_swa_metadata,
+    combine_topk_swa_indices,
+    compressed_slot_mapping,
+    decode_threshold,
+    global_topk_indices,
+    make_common_attention_metadata,
+    prefill_chunk_plan,
+    prefill_gather_lens,
+    prefill_workspace_slots,
+    reorder_decodes_first,
+    split_decodes_and_prefills,
+    swa_window_indices,
+    token_positions,
+    token_to_req_indices,
+)
+from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
+
+__version__ = "0.1.0"

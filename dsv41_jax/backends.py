@@ -1,0 +1,395 @@
+"""Backend registry: which implementation of the sparse MLA ops serves a device and a format.
+
+Each `BackendSpec` is a frozen descriptor of capabilities, as vLLM's attention backends are
+(the seed's `FLASHMLA_SPARSE_DSV41` and `FLASHMLA_MEGA_ATTN_DSV41` carry exactly the seed's
+flags). `select_backend` filters the registry by device and request and returns the
+highest-priority match, or raises `BackendSelectionError` listing why every candidate was
+rejected. The registry is the package's only mutable global; `register_backend` adds to it.
+
+KV-cache dtype names: `"fp8"` is an alias of `"fp8_ds_mla"`; `"auto"` means the model's
+native cache record, `"fp8_ds_mla"` (the V4 584-byte record), for every backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DeviceInfo",
+    "BackendSpec",
+    "BackendSelectionError",
+    "FLASHMLA_SPARSE_DSV41",
+    "FLASHMLA_MEGA_ATTN_DSV41",
+    "PALLAS_SPARSE_DSV41",
+    "XLA_SPARSE_DSV41",
+    "KV_CACHE_FORMATS",
+    "canonical_kv_cache_dtype",
+    "register_backend",
+    "registered_backends",
+    "get_backend",
+    "select_backend",
+    "register_impl_availability",
+]
+
+KV_CACHE_FORMATS = ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
+_KV_ALIASES = {"fp8": "fp8_ds_mla", "auto": "fp8_ds_mla", "bfloat16": "bf16"}
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """Resolve aliases ("fp8", "auto", "bfloat16") to one of `KV_CACHE_FORMATS`."""
+    if not isinstance(name, str):
+        raise TypeError(f"kv_cache_dtype must be a str, got {type(name).__name__} {name!r}")
+    fmt = _KV_ALIASES.get(name, name)
+    if fmt not in KV_CACHE_FORMATS:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {list(KV_CACHE_FORMATS) + sorted(_KV_ALIASES)}, got {name!r}"
+        )
+    return fmt
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What backend selection needs to know about a device.
+
+    platform: "cpu", "cuda", "rocm" or "tpu". compute_capability: (major, minor) on CUDA.
+    num_sms: streaming multiprocessors (CUDA `core_count`), used by split planning.
+    """
+
+    platform: str
+    compute_capability: tuple[int, int] | None = None
+    num_sms: int | None = None
+
+    @classmethod
+    def from_device(cls, device: Any) -> "DeviceInfo":
+        """From a `jax.Device` (reads `platform`, `compute_capability`, `core_count`)."""
+        platform = getattr(device, "platform", None)
+        if not isinstance(platform, str):
+            raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
+        platform = {"gpu": "cuda"}.get(platform, platform)
+        cc = getattr(device, "compute_capability", None)
+        cc_t = _parse_cc(cc) if (cc is not None and platform == "cuda") else None
+        n = getattr(device, "core_count", None)
+        return cls(platform, cc_t, int(n) if isinstance(n, (int, np.integer)) else None)
+
+    @classmethod
+    def default(cls) -> "DeviceInfo":
+        import jax
+
+        return cls.from_device(jax.devices()[0])
+
+
+def _parse_cc(cc: Any) -> tuple[int, int]:
+    if isinstance(cc, str):
+        parts = cc.split(".")
+        try:
+            return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+        except ValueError:
+            raise ValueError(f"compute_capability must look like '9.0', got {cc!r}") from None
+    if isinstance(cc, (int, np.integer)) and not isinstance(cc, bool):
+        return (int(cc) // 10, int(cc) % 10) if cc >= 10 else (int(cc), 0)
+    if isinstance(cc, (tuple, list)) and len(cc) == 2:
+        return int(cc[0]), int(cc[1])
+    raise TypeError(f"compute_capability must be '9.0', 90 or (9, 0), got {cc!r}")
+
+
+# impl name -> () -> None when available, else the reason it is not.
+_IMPL_AVAILABILITY: dict[str, Callable[[], str | None]] = {}
+
+
+def register_impl_availability(impl: str, check: Callable[[], str | None]) -> None:
+    """Let an implementation module report whether it can run (library built, kernels present)."""
+    _IMPL_AVAILABILITY[impl] = check
+
+
+def _impl_unavailable_reason(impl: str) -> str | None:
+    check = _IMPL_AVAILABILITY.get(impl)
+    if check is None:
+        return f"implementation {impl!r} is not registered"
+    try:
+        return check()
+    except Exception as e:  # an availability probe must never break selection
+        return f"implementation {impl!r} availability check failed: {e}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """Capabilities of one backend.
+
+    impl: the op implementation that serves it ("cuda", "pallas", "xla").
+    platforms: platforms it runs on (None: any). compute_capability_majors: required CUDA
+    major versions (None: no requirement). kernel_block_sizes: function of the compute
+    capability returning the page sizes (tokens) the kernel accepts, or None for any.
+    interfaces: "sparse" (the FlashMLA sparse decode/prefill interface) and/or "mega" (the fused
+    mega-attention interface: unroped q in, inverse-RoPE'd fp8 out).
+    priority: higher wins among matches.
+    """
+
+    name: str
+    impl: str
+    priority: int
+    supported_dtypes: tuple[str, ...]
+    supported_kv_cache_dtypes: tuple[str, ...]
+    supported_head_sizes: tuple[int, ...]
+    platforms: tuple[str, ...] | None
+    compute_capability_majors: tuple[int, ...] | None
+    kernel_block_sizes: Callable[[tuple[int, int] | None], tuple[int, ...] | None]
+    is_mla: bool = True
+    is_sparse: bool = True
+    supports_sink: bool = True
+    interfaces: tuple[str, ...] = ("sparse",)
+    supports_mm_prefix: bool = False
+    notes: str = ""
+
+    # --- vLLM-style capability queries -------------------------------------------
+    def supports_kv_cache_dtype(self, kv_cache_dtype: str) -> bool:
+        return kv_cache_dtype in self.supported_kv_cache_dtypes
+
+    def supports_compute_capability(self, capability: tuple[int, int] | None) -> bool:
+        if self.compute_capability_majors is None:
+            return True
+        return capability is not None and capability[0] in self.compute_capability_majors
+
+    def get_supported_kernel_block_sizes(self, capability: tuple[int, int] | None = None) -> tuple[int, ...] | None:
+        return self.kernel_block_sizes(capability)
+
+    def supports_combination(
+        self,
+        head_size: int,
+        dtype: Any,
+        kv_cache_dtype: str | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        device_capability: tuple[int, int] | None,
+    ) -> str | None:
+        """None if this backend supports the combination, else the first reason it does not."""
+        reasons = self._reasons(
+            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+            use_mla=use_mla, has_sink=has_sink, use_sparse=use_sparse, use_mm_prefix=use_mm_prefix,
+            device_capability=device_capability,
+        )
+        return reasons[0] if reasons else None
+
+    def _reasons(
+        self,
+        *,
+        head_size: int,
+        dtype: Any,
+        kv_cache_dtype: str | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        device_capability: tuple[int, int] | None,
+    ) -> list[str]:
+        out = []
+        if head_size not in self.supported_head_sizes:
+            out.append(f"head_size {head_size} not in {list(self.supported_head_sizes)}")
+        dname = _dtype_name(dtype)
+        if dname not in self.supported_dtypes:
+            out.append(f"dtype {dname} not in {list(self.supported_dtypes)}")
+        if kv_cache_dtype is not None and kv_cache_dtype not in self.supported_kv_cache_dtypes:
+            out.append(f"kv_cache_dtype {kv_cache_dtype!r} not in {list(self.supported_kv_cache_dtypes)}")
+        if use_mla != self.is_mla:
+            out.append("needs an MLA model" if self.is_mla else "does not serve MLA")
+        if use_sparse != self.is_sparse:
+            out.append("needs sparse attention" if self.is_sparse else "does not serve sparse attention")
+        if has_sink and not self.supports_sink:
+            out.append("does not support attention sinks")
+        if use_mm_prefix and not self.supports_mm_prefix:
+            out.append("does not support multimodal bidirectional prefixes")
+        if not self.supports_compute_capability(device_capability):
+            cc = "none" if device_capability is None else f"{device_capability[0]}.{device_capability[1]}"
+            out.append(f"compute capability {cc} not in majors {list(self.compute_capability_majors or [])}")
+        elif block_size is not None:
+            sizes = self.kernel_block_sizes(device_capability)
+            if sizes is not None and block_size not in sizes:
+                out.append(f"block_size {block_size} not in supported kernel block sizes {list(sizes)}")
+        return out
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return {"bfloat16": "bfloat16", "bf16": "bfloat16"}.get(dtype, dtype)
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+def _flashmla_block_sizes(cc: tuple[int, int] | None) -> tuple[int, ...]:
+    return (64,) if (cc is not None and cc[0] == 9) else (128,)
+
+
+FLASHMLA_SPARSE_DSV41 = BackendSpec(
+    name="FLASHMLA_SPARSE_DSV41",
+    impl="cuda",
+    priority=30,
+    supported_dtypes=("bfloat16",),
+    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8"),
+    supported_head_sizes=(512,),
+    platforms=("cuda",),
+    compute_capability_majors=(9, 10),
+    kernel_block_sizes=_flashmla_block_sizes,
+    notes="FlashMLA-compatible sparse decode/prefill; served by our CUDA FFI kernels (cuda_ffi/).",
+)
+
+FLASHMLA_MEGA_ATTN_DSV41 = BackendSpec(
+    name="FLASHMLA_MEGA_ATTN_DSV41",
+    impl="cuda",
+    priority=40,
+    supported_dtypes=("bfloat16",),
+    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "nvfp4_ds_mla"),
+    supported_head_sizes=(512,),
+    platforms=("cuda",),
+    compute_capability_majors=(10,),
+    kernel_block_sizes=lambda cc: (128,),
+    interfaces=("mega",),
+    notes="Fused q RoPE + sparse attention + inverse RoPE + fp8 output; SM100 only, no SM90 kernel.",
+)
+
+PALLAS_SPARSE_DSV41 = BackendSpec(
+    name="PALLAS_SPARSE_DSV41",
+    impl="pallas",
+    priority=20,
+    supported_dtypes=("bfloat16",),
+    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16"),
+    supported_head_sizes=(512,),
+    platforms=("cuda",),
+    compute_capability_majors=(9, 10),
+    kernel_block_sizes=lambda cc: None,
+    notes="Pallas Mosaic GPU kernels (pallas_kernels/); any page size.",
+)
+
+XLA_SPARSE_DSV41 = BackendSpec(
+    name="XLA_SPARSE_DSV41",
+    impl="xla",
+    priority=0,
+    supported_dtypes=("bfloat16",),
+    supported_kv_cache_dtypes=("auto", "fp8", "bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla"),
+    supported_head_sizes=(512,),
+    platforms=None,
+    compute_capability_majors=None,
+    kernel_block_sizes=lambda cc: None,
+    interfaces=("sparse", "mega"),
+    notes="Pure-jnp reference, fp32 math; any JAX device, every format and page size.",
+)
+
+_lock = threading.Lock()
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
+    """Add `spec` to the registry (ValueError if the name exists and `replace` is False)."""
+    if not isinstance(spec, BackendSpec):
+        raise TypeError(f"spec must be a BackendSpec, got {type(spec).__name__}")
+    with _lock:
+        if spec.name in _REGISTRY and not replace:
+            raise ValueError(f"backend {spec.name!r} is already registered")
+        _REGISTRY[spec.name] = spec
+
+
+def registered_backends() -> tuple[BackendSpec, ...]:
+    with _lock:
+        return tuple(sorted(_REGISTRY.values(), key=lambda s: -s.priority))
+
+
+def get_backend(name: str) -> BackendSpec:
+    with _lock:
+        try:
+            return _REGISTRY[name]
+        except KeyError:
+            raise ValueError(f"unknown backend {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+for _spec in (FLASHMLA_SPARSE_DSV41, FLASHMLA_MEGA_ATTN_DSV41, PALLAS_SPARSE_DSV41, XLA_SPARSE_DSV41):
+    register_backend(_spec)
+register_impl_availability("xla", lambda: None)
+
+
+class BackendSelectionError(ValueError):
+    """No registered backend serves the request; `.reasons` maps backend name -> reasons."""
+
+    def __init__(self, message: str, reasons: dict[str, list[str]]):
+        super().__init__(message)
+        self.reasons = reasons
+
+
+def select_backend(
+    device: Any = None,
+    *,
+    platform: str | None = None,
+    compute_capability: Any = None,
+    kv_cache_dtype: str = "auto",
+    block_size: int | None = None,
+    head_size: int = 512,
+    dtype: Any = "bfloat16",
+    has_sink: bool = True,
+    use_mla: bool = True,
+    use_sparse: bool = True,
+    use_mm_prefix: bool = False,
+    mega: bool = False,
+    impls: Sequence[str] | None = None,
+    require_available: bool = True,
+) -> BackendSpec:
+    """The best registered backend for a device and request.
+
+    Give either `device` (a `jax.Device` or `DeviceInfo`) or `platform` (+ `compute_capability`
+    on CUDA); with neither, the default JAX device is used. `impls` restricts the candidates
+    to those implementations. With `require_available`, a backend whose implementation cannot
+    run here (library not built, kernel missing) is rejected with that reason.
+    """
+    if device is not None and platform is not None:
+        raise ValueError("give either device or platform, not both")
+    if device is None and platform is None:
+        info = DeviceInfo.default()
+    elif device is not None:
+        info = device if isinstance(device, DeviceInfo) else DeviceInfo.from_device(device)
+    else:
+        if not isinstance(platform, str):
+            raise TypeError(f"platform must be a str, got {type(platform).__name__}")
+        plat = {"gpu": "cuda"}.get(platform, platform)
+        cc = _parse_cc(compute_capability) if compute_capability is not None else None
+        info = DeviceInfo(plat, cc)
+    if isinstance(block_size, bool) or (block_size is not None and not isinstance(block_size, (int, np.integer))):
+        raise TypeError(f"block_size must be an int or None, got {block_size!r}")
+    if block_size is not None and block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    raw_kv = kv_cache_dtype
+    canonical_kv_cache_dtype(raw_kv)  # validates the name
+    reasons: dict[str, list[str]] = {}
+    for spec in registered_backends():
+        why: list[str] = []
+        want = "mega" if mega else "sparse"
+        if want not in spec.interfaces:
+            why.append(f"does not serve the {want} interface (serves {list(spec.interfaces)})")
+        if impls is not None and spec.impl not in impls:
+            why.append(f"implementation {spec.impl!r} not in requested {list(impls)}")
+        if spec.platforms is not None and info.platform not in spec.platforms:
+            why.append(f"platform {info.platform!r} not in {list(spec.platforms)}")
+        kv_ok = raw_kv if raw_kv in spec.supported_kv_cache_dtypes else canonical_kv_cache_dtype(raw_kv)
+        why += spec._reasons(
+            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_ok, block_size=block_size,
+            use_mla=use_mla, has_sink=has_sink, use_sparse=use_sparse, use_mm_prefix=use_mm_prefix,
+            device_capability=info.compute_capability if info.platform == "cuda" else None,
+        )
+        if not why and require_available:
+            r = _impl_unavailable_reason(spec.impl)
+            if r is not None:
+                why.append(r)
+        if not why:
+            return spec
+        reasons[spec.name] = why
+    cc = "" if info.compute_capability is None else f" (compute capability {info.compute_capability[0]}.{info.compute_capability[1]})"
+    lines = [f"no attention backend serves platform {info.platform!r}{cc}, kv_cache_dtype={raw_kv!r}, "
+             f"block_size={block_size}, head_size={head_size}, dtype={_dtype_name(dtype)}, mega={mega}:"]
+    lines += [f"  {name}: " + "; ".join(rs) for name, rs in reasons.items()]
+    raise BackendSelectionError("\n".join(lines), reasons)
