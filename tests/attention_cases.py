@@ -1,0 +1,319 @@
+"""Random sparse-attention cases and the float64 NumPy oracle they are checked against.
+
+Shared by the CPU tests (tests/test_attention.py), the interpret-mode kernel tests and the GPU
+tests (tests/gpu/). Cases follow FlashMLA's test grid: odd page sizes, variable and zero
+lengths, all-invalid rows, sinks of +-inf, unused cache slots poisoned with NaN, invalid index
+values (-1, INT_MIN, INT_MAX, exactly the capacity), entries past topk_length pointing at
+poisoned slots, an extra cache with its own page size and format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax import kv_cache as kvc
+
+INT_MIN = np.iinfo(np.int32).min
+INT_MAX = np.iinfo(np.int32).max
+
+# FlashMLA's tolerances: (abs_tol, rel_tol)
+TOL = {
+    "decode_out": (1e-3, 2.01 / 128),
+    "decode_lse": (1e-6, 8.01 / 65536),
+    "prefill_out": (8e-4, 3.01 / 128),
+    "prefill_max_logits": (1e-6, 2.01 / 65536),
+    "prefill_lse": (1e-6, 2.01 / 65536),
+}
+COS_TOL = {"decode_out": 5e-6, "prefill_out": 7e-6}
+
+
+def assert_close(actual, expected, kind: str, what: str = "") -> None:
+    """FlashMLA's comparison: +-inf / NaN positions equal; else abs_err < abs_tol or rel_err < rel_tol."""
+    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    for name, fa, fe in (("nan", np.isnan(a), np.isnan(e)), ("+inf", np.isposinf(a), np.isposinf(e)),
+                         ("-inf", np.isneginf(a), np.isneginf(e))):
+        bad = np.argwhere(fa != fe)
+        assert bad.size == 0, f"{what}: {name} positions differ at {bad[:5].tolist()} (actual {a[tuple(bad[0])]}, expected {e[tuple(bad[0])]})"
+    fin = np.isfinite(e)
+    abs_tol, rel_tol = TOL[kind]
+    with np.errstate(invalid="ignore"):
+        err = np.abs(a - e)
+        rel = err / np.maximum(np.abs(e), 1e-30)
+    ok = (err < abs_tol) | (rel < rel_tol) | ~fin
+    if not ok.all():
+        i = tuple(np.argwhere(~ok)[0])
+        raise AssertionError(
+            f"{what}: {int((~ok).sum())} of {ok.size} elements out of tolerance {kind} {TOL[kind]}; "
+            f"first at {i}: actual {a[i]!r} expected {e[i]!r}"
+        )
+    if kind in COS_TOL:
+        x, y = a[fin], e[fin]
+        den = (x * x).sum() + (y * y).sum()
+        if den > 0:
+            cos_diff = 1 - 2 * (x * y).sum() / den
+            assert cos_diff < COS_TOL[kind], f"{what}: cosine difference {cos_diff} >= {COS_TOL[kind]}"
+
+
+# ------------------------------------------------------------------------------ the oracle
+def oracle_rows(q, pools, scale, sink):
+    """float64 reference. q [R, h, D]; pools: list of (table [cap, D] float64, idx [R, K], lens [R]).
+
+    Returns (out [R, h, D], max_logits [R, h], lse [R, h]) with FlashMLA's conventions.
+    """
+    q = np.asarray(q, np.float64)
+    R, H, D = q.shape
+    out = np.zeros((R, H, D))
+    mx = np.full((R, H), -np.inf)
+    lse = np.full((R, H), np.inf)
+    for r in range(R):
+        rows = []
+        for table, idx, lens in pools:
+            cap = table.shape[0]
+            for k in range(min(int(lens[r]), idx.shape[1])):
+                j = int(idx[r, k])
+                if 0 <= j < cap:
+                    rows.append(table[j])
+        if not rows:
+            continue
+        K = np.stack(rows)  # [n, D]
+        s = scale * (q[r] @ K.T)  # [h, n]
+        m = s.max(axis=1)
+        p = np.exp(s - m[:, None])
+        l = p.sum(axis=1)
+        mx[r] = m
+        lse[r] = m + np.log(l)
+        o = (p @ K) / l[:, None]
+        if sink is not None:
+            with np.errstate(over="ignore"):
+                o = o / (1.0 + np.exp(np.asarray(sink, np.float64) - lse[r]))[:, None]
+        out[r] = o
+    return out, mx, lse
+
+
+def dequantized_table(cache, fmt: str, block_size: int) -> np.ndarray:
+    cap = kvc.cache_capacity(cache, fmt, block_size)
+    rows = kvc.gather(cache, jnp.arange(cap, dtype=jnp.int32), fmt=fmt, block_size=block_size)
+    return np.asarray(rows.astype(jnp.float32), np.float64)
+
+
+# ------------------------------------------------------------------------------ decode cases
+@dataclasses.dataclass
+class DecodeCase:
+    q: jnp.ndarray
+    kv_cache: jnp.ndarray
+    indices: jnp.ndarray
+    topk_length: jnp.ndarray
+    kv_format: str
+    block_size: int
+    softmax_scale: float
+    attn_sink: jnp.ndarray | None
+    extra_kv_cache: jnp.ndarray | None = None
+    extra_indices: jnp.ndarray | None = None
+    extra_topk_length: jnp.ndarray | None = None
+    extra_kv_format: str | None = None
+    extra_block_size: int | None = None
+
+    def kwargs(self) -> dict:
+        kw = dict(kv_format=self.kv_format, block_size=self.block_size, softmax_scale=self.softmax_scale,
+                  attn_sink=self.attn_sink)
+        if self.extra_kv_cache is not None:
+            kw.update(extra_kv_cache=self.extra_kv_cache, extra_indices=self.extra_indices,
+                      extra_topk_length=self.extra_topk_length, extra_kv_format=self.extra_kv_format,
+                      extra_block_size=self.extra_block_size)
+        return kw
+
+    def args(self) -> tuple:
+        return self.q, self.kv_cache, self.indices, self.topk_length
+
+    def expected(self):
+        b, s_q, h, d = self.q.shape
+        R = b * s_q
+
+        def pool(cache, fmt, bs, idx, lens):
+            return (dequantized_table(cache, fmt, bs), np.asarray(idx).reshape(R, -1), np.repeat(np.asarray(lens), s_q))
+
+        pools = [pool(self.kv_cache, self.kv_format, self.block_size, self.indices, self.topk_length)]
+        if self.extra_kv_cache is not None:
+            pools.append(pool(self.extra_kv_cache, self.extra_kv_format, self.extra_block_size, self.extra_indices,
+                              self.extra_topk_length))
+        q = np.asarray(self.q.astype(jnp.float32), np.float64).reshape(R, h, d)
+        sink = None if self.attn_sink is None else np.asarray(self.attn_sink, np.float64)
+        out, _, lse = oracle_rows(q, pools, self.softmax_scale, sink)
+        return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
+
+
+def _poisoned_cache(rng, num_blocks, block_size, fmt, n_written):
+    """A cache whose every slot is poison (NaN rows / 0xFF bytes) except `n_written` random slots."""
+    cap = num_blocks * block_size
+    if fmt == "bf16":
+        cache = jnp.full((num_blocks, block_size, 512), jnp.nan, jnp.bfloat16)
+    else:
+        cache = jnp.full((num_blocks, kvc.page_bytes(fmt, block_size)), 0xFF, jnp.uint8)
+    written = rng.permutation(cap)[:n_written].astype(np.int32)
+    mag = np.exp(rng.uniform(-3, 2, size=(n_written, 1)))  # per-token magnitudes across scales
+    kv = (rng.standard_normal((n_written, 512)) * mag).astype(np.float32)
+    cache = kvc.insert(cache, jnp.asarray(kv, jnp.bfloat16), jnp.asarray(written), fmt=fmt, block_size=block_size)
+    return cache, written
+
+
+def _indices(rng, shape, written, cap, invalid_frac, lens, poison_tail):
+    """Indices drawn from written slots, some replaced by invalid values; past `lens`, garbage."""
+    idx = rng.choice(written, size=shape).astype(np.int64)
+    bad_vals = np.array([-1, INT_MIN, INT_MAX, cap, cap + 7, -5], np.int64)
+    bad = rng.random(shape) < invalid_frac
+    idx[bad] = rng.choice(bad_vals, size=int(bad.sum()))
+    if poison_tail:
+        unwritten = np.setdiff1d(np.arange(cap), written)
+        if unwritten.size:
+            k = np.arange(shape[-1])
+            tail = k[None, None, :] >= np.asarray(lens).reshape(-1, 1, 1)
+            tail = np.broadcast_to(tail, shape)
+            idx[tail] = rng.choice(unwritten, size=int(tail.sum()))
+    return idx.astype(np.int32)
+
+
+def make_decode_case(
+    seed: int,
+    *,
+    b: int = 3,
+    s_q: int = 2,
+    h_q: int = 16,
+    topk: int = 64,
+    block_size: int = 64,
+    fmt: str = "fp8_ds_mla",
+    s_kv: int | None = None,
+    lengths: str = "var",  # "full" | "var" | "zero"
+    invalid_frac: float = 0.1,
+    all_invalid_row: bool = False,
+    sink: str = "random",  # "none" | "random" | "inf"
+    extra: dict | None = None,  # {"topk", "block_size", "fmt", "s_kv"?, "lengths"?}
+    softmax_scale: float | None = None,
+) -> DecodeCase:
+    rng = np.random.default_rng(seed)
+    s_kv = s_kv or max(topk, 32)
+    nb = -(-(s_kv + s_kv // 2) // block_size)
+    cache, written = _poisoned_cache(rng, nb, block_size, fmt, min(s_kv, nb * block_size))
+    lens = {"full": np.full(b, topk), "zero": np.zeros(b, int), "var": rng.integers(0, topk + 1, size=b)}[lengths]
+    if lengths == "var" and b > 1:
+        lens[0] = topk
+    idx = _indices(rng, (b, s_q, topk), written, nb * block_size, invalid_frac, lens, poison_tail=True)
+    if all_invalid_row:
+        idx[b - 1] = rng.choice([-1, INT_MIN, INT_MAX, nb * block_size], size=(s_q, topk))
+    q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 512)), jnp.bfloat16)
+    snk = None
+    if sink != "none":
+        sv = rng.standard_normal(h_q).astype(np.float32)
+        if sink == "inf":
+            sv[0], sv[-1] = np.inf, -np.inf
+        snk = jnp.asarray(sv)
+    case = DecodeCase(q, cache, jnp.asarray(idx), jnp.asarray(lens, jnp.int32), fmt, block_size,
+                      softmax_scale if softmax_scale is not None else 512 ** -0.5, snk)
+    if extra:
+        ebs, efmt, etopk = extra["block_size"], extra["fmt"], extra["topk"]
+        es_kv = extra.get("s_kv", max(etopk, 32))
+        enb = -(-(es_kv + es_kv // 3) // ebs)
+        ecache, ewritten = _poisoned_cache(rng, enb, ebs, efmt, min(es_kv, enb * ebs))
+        elens = {"full": np.full(b, etopk), "zero": np.zeros(b, int),
+                 "var": rng.integers(0, etopk + 1, size=b)}[extra.get("lengths", "var")]
+        eidx = _indices(rng, (b, s_q, etopk), ewritten, enb * ebs, invalid_frac, elens, poison_tail=True)
+        if all_invalid_row:
+            eidx[b - 1] = -1
+        case = dataclasses.replace(case, extra_kv_cache=ecache, extra_indices=jnp.asarray(eidx),
+                                   extra_topk_length=jnp.asarray(elens, jnp.int32), extra_kv_format=efmt,
+                                   extra_block_size=ebs)
+    return case
+
+
+# ----------------------------------------------------------------------------- prefill cases
+@dataclasses.dataclass
+class PrefillCase:
+    q: jnp.ndarray
+    kv: jnp.ndarray
+    indices: jnp.ndarray
+    topk_length: jnp.ndarray | None
+    softmax_scale: float
+    attn_sink: jnp.ndarray | None
+
+    def kwargs(self) -> dict:
+        return dict(softmax_scale=self.softmax_scale, attn_sink=self.attn_sink, topk_length=self.topk_length)
+
+    def args(self) -> tuple:
+        return self.q, self.kv, self.indices
+
+    def expected(self):
+        s_kv = self.kv.shape[0]
+        table = np.asarray(self.kv.astype(jnp.float32), np.float64)
+        lens = np.full(self.q.shape[0], self.indices.shape[1]) if self.topk_length is None else np.asarray(self.topk_length)
+        sink = None if self.attn_sink is None else np.asarray(self.attn_sink, np.float64)
+        q = np.asarray(self.q.astype(jnp.float32), np.float64)
+        assert table.shape[0] == s_kv
+        return oracle_rows(q, [(table, np.asarray(self.indices), lens)], self.softmax_scale, sink)
+
+
+def make_prefill_case(
+    seed: int,
+    *,
+    s_q: int = 5,
+    h_q: int = 16,
+    s_kv: int = 128,
+    topk: int = 128,
+    lengths: str = "var",
+    invalid_frac: float = 0.1,
+    all_invalid_row: bool = False,
+    sink: str = "random",
+    softmax_scale: float | None = None,
+) -> PrefillCase:
+    rng = np.random.default_rng(seed)
+    kv = jnp.asarray(rng.standard_normal((s_kv, 512)) * np.exp(rng.uniform(-2, 1, (s_kv, 1))), jnp.bfloat16)
+    idx = rng.integers(0, s_kv, size=(s_q, topk)).astype(np.int64)
+    bad = rng.random((s_q, topk)) < invalid_frac
+    idx[bad] = rng.choice(np.array([-1, INT_MIN, INT_MAX, s_kv, s_kv + 3]), size=int(bad.sum()))
+    if all_invalid_row:
+        idx[-1] = rng.choice(np.array([-1, INT_MIN, INT_MAX, s_kv]), size=topk)
+    lens = None
+    if lengths != "none":
+        lens = {"full": np.full(s_q, topk), "zero": np.zeros(s_q, int), "var": rng.integers(0, topk + 1, size=s_q)}[lengths]
+        lens = jnp.asarray(lens, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((s_q, h_q, 512)), jnp.bfloat16)
+    snk = None
+    if sink != "none":
+        sv = rng.standard_normal(h_q).astype(np.float32)
+        if sink == "inf":
+            sv[0], sv[-1] = np.inf, -np.inf
+        snk = jnp.asarray(sv)
+    return PrefillCase(q, kv, jnp.asarray(idx.astype(np.int32)), lens,
+                       softmax_scale if softmax_scale is not None else 512 ** -0.5, snk)
+
+
+# The grid shared by CPU (reference) and GPU (kernels) tests: (id, kwargs)
+DECODE_GRID = [
+    ("bf16_p64", dict(fmt="bf16", block_size=64, topk=64)),
+    ("fp8_p64_full", dict(fmt="fp8_ds_mla", block_size=64, topk=128, lengths="full", invalid_frac=0.0, sink="none")),
+    ("fp8_p2_var", dict(fmt="fp8_ds_mla", block_size=2, topk=64)),
+    ("fp8_p61", dict(fmt="fp8_ds_mla", block_size=61, topk=192, s_kv=300)),
+    ("fp8_p69_sinkinf", dict(fmt="fp8_ds_mla", block_size=69, topk=64, sink="inf")),
+    ("fp8_p576", dict(fmt="fp8_ds_mla", block_size=576, topk=128, s_kv=700)),
+    ("fp8_zero_len", dict(fmt="fp8_ds_mla", block_size=64, topk=64, lengths="zero")),
+    ("fp8_all_invalid_row", dict(fmt="fp8_ds_mla", block_size=64, topk=64, all_invalid_row=True, b=4)),
+    ("fp8_skv_lt_topk", dict(fmt="fp8_ds_mla", block_size=64, topk=256, s_kv=40)),
+    ("fp8_extra_p2", dict(fmt="fp8_ds_mla", block_size=64, topk=64, extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla"))),
+    ("bf16_extra_fp8", dict(fmt="bf16", block_size=32, topk=64, h_q=64, extra=dict(topk=64, block_size=61, fmt="fp8_ds_mla"))),
+    ("mxfp8_extra_nvfp4", dict(fmt="mxfp8_ds_mla", block_size=64, topk=64, extra=dict(topk=128, block_size=32, fmt="nvfp4_ds_mla"))),
+    ("fp8_sq1_h3", dict(fmt="fp8_ds_mla", block_size=64, topk=64, s_q=1, h_q=3)),
+]
+
+PREFILL_GRID = [
+    ("skv128_topk128", dict(s_kv=128, topk=128)),
+    ("sq1", dict(s_q=1, s_kv=256, topk=128)),
+    ("skv_lt_topk", dict(s_kv=60, topk=128, s_q=7)),
+    ("sink_inf", dict(sink="inf", topk=64, s_kv=200)),
+    ("all_invalid_row", dict(all_invalid_row=True, topk=64)),
+    ("no_lengths", dict(lengths="none", topk=64, sink="none")),
+    ("zero_lengths", dict(lengths="zero", topk=64)),
+    ("scale_half", dict(softmax_scale=0.5, topk=128, s_kv=1521, s_q=9)),
+]
