@@ -502,7 +502,9 @@ def combine_topk_swa_indices(
     `tk = min((pos + 1) // r, K)`, `sw = min(pos + 1, window)`; entries are `topk_indices[t, k] +
     M * b` for k < tk, then `M * b + N + (pos - sw + 1 - (seq_len - G)) + j` for j < sw, and
     `len = tk + sw`. Width is `width` or `K + window` rounded up to 128, padded with -1; other
-    tokens get len 0 and all -1. Assumes the indexer packs valid entries first.
+    tokens get len 0 and all -1. Like vLLM this assumes the indexer packs valid entries first; unlike
+    vLLM, a top-k entry < 0 or >= N inside the first `tk` columns stays -1 (masked by the kernel)
+    instead of being offset into a neighbouring request's workspace rows.
     Returns `(indices int32[T, width], lens int32[T])`.
     """
     tkv = _arr("topk_indices", topk_indices, 2)
@@ -524,7 +526,9 @@ def combine_topk_swa_indices(
     tk = jnp.minimum((pos + 1) // r, K) if K else jnp.zeros_like(pos)
     sw = jnp.minimum(pos + 1, W)
     col = jnp.arange(wid, dtype=_I32)[None, :]
-    topk_part = jnp.pad(tkv[:, :K], ((0, 0), (0, wid - K))) + (M * b)[:, None]
+    # entries outside [0, N) stay -1 instead of being offset into another request's rows
+    tkp = jnp.pad(tkv[:, :K], ((0, 0), (0, wid - K)), constant_values=-1)
+    topk_part = jnp.where((tkp >= 0) & (tkp < N), tkp + (M * b)[:, None], -1)
     swa_base = M * b + N + (pos - sw + 1 - (sl[tp.req] - gl[tp.req]))
     swa_part = swa_base[:, None] + (col - tk[:, None])
     out = jnp.where(col < tk[:, None], topk_part, jnp.where(col < (tk + sw)[:, None], swa_part, -1))

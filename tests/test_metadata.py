@@ -628,7 +628,8 @@ def test_combine_topk_swa_indices_oracle(gb, seed, req_start, span):
         row = req - req_start
         tk = min((pos + 1) // r, Kc) if r else 0
         sw = min(pos + 1, W)
-        entries = [int(topk[t, k]) + M * row for k in range(tk)]
+        # a top-k entry outside [0, N) must stay -1, never land in a neighbouring request's rows
+        entries = [int(topk[t, k]) + M * row if 0 <= topk[t, k] < N else -1 for k in range(tk)]
         entries += [M * row + N + (pos - sw + 1 - (seq[req] - gl[req])) + j for j in range(sw)]
         want_idx[t][: len(entries)] = entries
         want_lens[t] = tk + sw
