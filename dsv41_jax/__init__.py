@@ -69,4 +69,10 @@ from dsv41_jax.metadata import (
 )
 from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
 
+from dsv41_jax import engine, model, nn, weights
+from dsv41_jax.engine import EngineConfig, InferenceEngine
+from dsv41_jax.model import dense_forward
+from dsv41_jax.nn import DeepseekV41Attention, DeepseekV41Model
+from dsv41_jax.weights import hf_state_dict, load_safetensors, save_safetensors
+
 __version__ = "0.1.0"

@@ -1,0 +1,168 @@
+"""The Flax V4.1 model: paged engine == dense no-cache forward; weights in HF names; engine behaviour."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dsv41_jax as d
+from dsv41_jax import weights
+from dsv41_jax.engine import EngineConfig, InferenceEngine
+from dsv41_jax.model import dense_forward, make_rope_tables, select_topk
+from dsv41_jax.nn import DeepseekV41Model
+
+# Five layers cover every role: SWA only; a ratio-2 kv + index source; a ratio-2 layer sharing both;
+# a ratio-1 kv + index + candidate source; a ratio-1 index source restricted to the candidates.
+CFG = d.TINY.replace(
+    num_hidden_layers=5, num_nextn_predict_layers=0, compress_ratios=(0, 2, 2, 1, 1),
+    kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3,
+)
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DeepseekV41Model(CFG, rngs=nnx.Rngs(0))
+
+
+def _dense(model, tokens, **kw):
+    gd, st = nnx.split(model)
+    tables = make_rope_tables(model.cfg, MAX_LEN)
+    f = jax.jit(lambda st, t: dense_forward(nnx.merge(gd, st), t, tables=tables, **kw))
+    return np.asarray(f(st, jnp.asarray(tokens)))
+
+
+def _run(engine, seqs, schedule):
+    """Feed each request its known tokens following `schedule` (lists of per-request counts per step)."""
+    rids = [engine.add_request(s) for s in seqs]
+    got = {r: [] for r in rids}
+    for counts in schedule:
+        res = engine.step([(r, c) for r, c in zip(rids, counts)])
+        for r, lg in res.items():
+            got[r].append(lg)
+    out = [np.concatenate(got[r]) for r in rids]
+    for r in rids:
+        engine.finish(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def seqs():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, CFG.vocab_size, 40).tolist(), rng.integers(0, CFG.vocab_size, 24).tolist()]
+
+
+# per step: (tokens of request 0, tokens of request 1). Chunked prefill (uneven chunks, groups split
+# across steps), then single-token decode, then speculative-style 3- and 2-token decode steps.
+SCHEDULE = [(13, 6), (9, 7), (1, 1), (1, 1), (3, 2), (3, 3), (1, 1), (2, 3), (7, 0)]
+
+
+def test_engine_matches_dense_bf16(model, seqs):
+    eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
+                                              kv_format="bf16", impl="xla", num_speculative_tokens=2))
+    got = _run(eng, seqs, SCHEDULE)
+    for s, g in zip(seqs, got):
+        ref = _dense(model, s)[: g.shape[0]]
+        # bf16 attention outputs (the ops' contract) are the only rounding that differs in order
+        np.testing.assert_allclose(g, ref, atol=3e-2, rtol=0)
+        assert (g.argmax(-1) == ref.argmax(-1)).mean() > 0.95
+
+
+def test_engine_matches_dense_fp8_within_quantisation(model, seqs):
+    eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
+                                              kv_format="fp8_ds_mla", impl="xla", num_speculative_tokens=2))
+    got = _run(eng, seqs[:1], [(c,) for c, _ in SCHEDULE])[0]
+    ref_q = _dense(model, seqs[0], kv_format="fp8_ds_mla")[: got.shape[0]]  # same rounding as the cache
+    ref = _dense(model, seqs[0])[: got.shape[0]]  # unquantised
+    np.testing.assert_allclose(got, ref_q, atol=3e-2, rtol=0)
+    # e4m3 keeps 3 mantissa bits (up to 3% per element); through 5 random layers the logits move
+    # about 10% (measured: 0.100); far more would mean the cache path does something else
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert rel < 0.2, f"fp8 caches move the logits by {rel:.3f} (relative), more than quantisation should"
+
+
+def test_steps_compile_once_per_bucket(model, seqs):
+    eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
+                                              impl="xla", num_speculative_tokens=2))
+    rids = [eng.add_request(s) for s in seqs]
+    eng.step([(rids[0], 5), (rids[1], 5)])
+    n = eng._fn._cache_size()
+    for _ in range(4):  # same buckets: 16 tokens, 8 requests, block tables of 4 pages
+        eng.step([(rids[0], 1), (rids[1], 1)])
+    assert eng._fn._cache_size() == n
+
+
+def test_generate_greedy_matches_dense(model):
+    eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
+                                              impl="xla"))
+    prompts = [[5, 9, 200, 17, 3, 3, 81, 44, 12], [7, 7, 1]]
+    outs = eng.generate(prompts, 6, prefill_chunk=4)
+    for p, o in zip(prompts, outs):
+        # causal: the dense logits at position i of the final sequence see exactly tokens 0..i
+        ref = _dense(model, list(p) + o)
+        for i, tok in enumerate(o):  # each generated token is the dense argmax given everything before it
+            row = ref[len(p) - 1 + i]
+            assert tok == int(np.argmax(row)) or row.max() - row[tok] < 3e-2
+    assert not eng.requests and len(eng.free_rows) == 4  # everything was released
+
+
+def test_select_topk_shortcut_and_candidates():
+    sc = jnp.asarray([[5.0, 1.0, 3.0, 4.0, 2.0, 0.0]] * 3)
+    n_vis = jnp.asarray([2, 5, 6])
+    sel = np.asarray(select_topk(sc, n_vis, 3))
+    np.testing.assert_array_equal(sel[0], [0, 1, -1])  # <= topk visible: all of them, in order
+    assert set(sel[1]) == {0, 3, 2} and set(sel[2]) == {0, 3, 2}
+    allowed = jnp.asarray([[False, True, False, True, True, True]] * 3)
+    sel = np.asarray(select_topk(sc, n_vis, 3, allowed))
+    assert set(sel[1]) == {3, 4, 1}
+
+
+def test_weights_roundtrip_and_errors(model, tmp_path):
+    p = tmp_path / "model.safetensors"
+    weights.save_safetensors(model, str(p))
+    other = DeepseekV41Model(CFG, rngs=nnx.Rngs(7))
+    weights.load_safetensors(other, str(p))
+    a, b = weights.hf_state_dict(model), weights.hf_state_dict(other)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert a["model.layers.1.self_attn.wo_a.weight"].shape == (CFG.o_groups * CFG.o_lora_rank, 4 * 512 // 2)
+    assert "model.layers.2.self_attn.compressor.wkv.weight" not in a  # a sharing layer owns no compressor
+    assert "model.layers.4.self_attn.indexer.wk.weight" not in a  # nor does a non-kv index source own wk
+
+    from safetensors.numpy import save_file
+
+    missing = dict(a)
+    missing.pop("model.layers.3.self_attn.indexer.wk.weight")
+    save_file(missing, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="missing tensors .*model.layers.3.self_attn.indexer.wk.weight"):
+        weights.load_safetensors(other, str(tmp_path / "missing.safetensors"))
+    bad = dict(a)
+    bad["model.layers.0.self_attn.wq_a.weight"] = np.zeros((3, 3), np.float32)
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match=r"mis-shaped tensor model.layers.0.self_attn.wq_a.weight: expected shape \(64, 128\), got \(3, 3\)"):
+        weights.load_safetensors(other, str(tmp_path / "bad.safetensors"))
+    extra = dict(a)
+    extra["model.layers.9.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensors"):
+        weights.load_safetensors(other, str(tmp_path / "extra.safetensors"))
+    weights.load_safetensors(other, str(tmp_path / "extra.safetensors"), strict=False)
+    with pytest.raises(ValueError, match="does not exist"):
+        weights.load_safetensors(other, str(tmp_path / "nope.safetensors"))
+
+
+def test_engine_rejects_bad_requests(model):
+    eng = InferenceEngine(model, EngineConfig(max_model_len=16, max_reqs=1, impl="xla"))
+    with pytest.raises(ValueError, match="prompt must have at least one token"):
+        eng.add_request([])
+    with pytest.raises(ValueError, match="prompt tokens must be in"):
+        eng.add_request([CFG.vocab_size])
+    rid = eng.add_request([1, 2, 3])
+    with pytest.raises(RuntimeError, match="no free request slot"):
+        eng.add_request([1])
+    with pytest.raises(ValueError, match="asked for 5"):
+        eng.step([(rid, 5)])
+    with pytest.raises(ValueError, match="EngineConfig.block_size"):
+        EngineConfig(block_size=0)
