@@ -38,7 +38,8 @@ from flax import nnx
 
 from dsv41_jax import kv_cache as kvc
 from dsv41_jax import metadata as md
-from dsv41_jax.attention import sparse_mla_decode, sparse_mla_prefill
+from dsv41_jax import attention as _ops
+from dsv41_jax import sharding
 from dsv41_jax.backends import canonical_kv_cache_dtype
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
 from dsv41_jax.model import (
@@ -73,6 +74,8 @@ class EngineConfig:
     impl: str = "auto"
     num_speculative_tokens: int = 0
     buckets: BucketPolicy = DEFAULT_BUCKETS
+    mesh: jax.sharding.Mesh | None = None  # heads of the attention split over `head_axis`
+    head_axis: str = "tp"
 
     def __post_init__(self):
         for k in ("max_model_len", "max_reqs", "block_size", "comp_block_size"):
@@ -152,6 +155,27 @@ def _pool_groups(attn, rows, ring, ring_rows, cm, tp, valid, r: int, cap: int):
     return latent, ring
 
 
+def _attention_ops(ecfg: EngineConfig):
+    if ecfg.mesh is None:
+        return _ops.sparse_mla_decode, _ops.sparse_mla_prefill
+    return sharding.sparse_mla_decode_sharded, sharding.sparse_mla_prefill_sharded
+
+
+def _param_sharding(path: tuple, value: jax.Array, mesh: jax.sharding.Mesh, axis: str):
+    """Head-parallel placement: q heads (wq_b columns), sinks and wo_a groups split; the rest replicated."""
+    P = jax.sharding.PartitionSpec
+    names = [str(p) for p in path]
+    spec = P()
+    if "self_attn" in names and "indexer" not in names:
+        if names[-2:] == ["wq_b", "kernel"]:
+            spec = P(None, axis)
+        elif names[-1] == "attn_sink":
+            spec = P(axis)
+        elif names[-1] == "wo_a":
+            spec = P(axis, None, None)
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
 def _step(graphdef, params, caches, inp: StepInputs, tables: RopeTables, *, ecfg: EngineConfig):
     """One engine step (pure): returns logits float32 [T, vocab] and the updated caches."""
     model: DeepseekV41Model = nnx.merge(graphdef, params)
@@ -221,6 +245,9 @@ def _step(graphdef, params, caches, inp: StepInputs, tables: RopeTables, *, ecfg
                 sel = selected[role.index_source_layer]
             with jax.named_scope("sparse_attention"):
                 kw = dict(softmax_scale=cfg.softmax_scale, attn_sink=attn.attn_sink[...], impl=ecfg.impl)
+                if ecfg.mesh is not None:
+                    kw.update(mesh=ecfg.mesh, head_axis=ecfg.head_axis)
+                sparse_mla_decode, sparse_mla_prefill = _attention_ops(ecfg)
                 dec_kw = dict(kv_format=fmt, block_size=BS)
                 if r:
                     gidx, glens = md.global_topk_indices(sel, tp.req, cbt, states_per_page=CBS, is_valid_token=is_dec & valid)
@@ -258,6 +285,16 @@ class InferenceEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
         self.graphdef, self.params = nnx.split(model)
+        if config.mesh is not None:
+            n = config.mesh.shape.get(config.head_axis)
+            if n is None:
+                raise ValueError(f"EngineConfig.head_axis {config.head_axis!r} is not an axis of the mesh {dict(config.mesh.shape)}")
+            if cfg.num_attention_heads % n or cfg.o_groups % n:
+                raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) and o_groups ({cfg.o_groups}) must be "
+                                 f"divisible by the head axis size {n}")
+            flat = nnx.to_flat_state(self.params)
+            shardings = nnx.from_flat_state([(p, _param_sharding(p, v, config.mesh, config.head_axis)) for p, v in flat])
+            self.params = jax.device_put(self.params, shardings)
         self.tables = make_rope_tables(cfg, config.max_model_len)
         self.roles = model.roles()
         self.ratios = sorted({r.compress_ratio for r in self.roles if r.compress_ratio})
@@ -273,6 +310,8 @@ class InferenceEngine:
                 caches["ikey"][str(role.layer_id)] = jnp.zeros((n_c, config.comp_block_size, cfg.index_head_dim), _F32)
                 if r > 1:
                     caches["ring"][str(role.layer_id)] = jnp.zeros((config.max_reqs, config.ring_capacity, 2, 512), _F32)
+        if config.mesh is not None:  # the MQA latent caches are read by every head: replicated
+            caches = jax.device_put(caches, jax.sharding.NamedSharding(config.mesh, jax.sharding.PartitionSpec()))
         self.caches = caches
         self.free = {"swa": list(range(1, n_swa))}  # page 0 stays unused: a -1 clamped to 0 never hits live data
         for r in self.ratios:

@@ -7,6 +7,13 @@ tile-scheduler plans inside `build_sparse_swa_metadata`).
 
 from __future__ import annotations
 
+import os
+import sys
+
+# The sharding tests need 8 simulated CPU devices; the flag only works before JAX initialises.
+if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import pytest
 
 

@@ -1,0 +1,163 @@
+"""Sparse MLA across devices with JAX's own sharding: head parallelism and request parallelism.
+
+`sparse_mla_decode_sharded` / `sparse_mla_prefill_sharded` wrap the single-device ops in
+`jax.shard_map`, so every implementation (xla, pallas, cuda) runs unchanged on its shard:
+
+- head parallelism (`head_axis`): q, the sink and the outputs are split over query heads; the MQA
+  latent caches (SWA and compressed) are replicated, since every head reads the same rows. No
+  communication inside the op; the grouped output projection that follows sums over heads.
+- request parallelism (`batch_axis`, decode): requests (q rows, indices, lengths) are split over
+  the axis and so are the cache pages: each shard owns `num_blocks / n` consecutive pages and its
+  indices address its own pages (`block * block_size + offset` with a local block id), i.e. each
+  shard builds its metadata against its local block table (`local_block_tables`). Prefill splits
+  the query tokens and replicates `kv`.
+Both axes may be given together (a 2-D mesh). The metadata builders are pure functions, so they run
+inside `shard_map` on per-shard inputs as they do on one device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dsv41_jax.attention import sparse_mla_decode, sparse_mla_prefill
+
+__all__ = ["sparse_mla_decode_sharded", "sparse_mla_prefill_sharded", "local_block_tables", "head_sharding"]
+
+
+def _axis_size(mesh: Mesh, axis: str | None) -> int:
+    if axis is None:
+        return 1
+    if axis not in mesh.shape:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})")
+    return mesh.shape[axis]
+
+
+def _check_div(name: str, n: int, axis: str | None, size: int) -> None:
+    if n % size:
+        raise ValueError(f"{name} ({n}) must be divisible by the size of mesh axis {axis!r} ({size})")
+
+
+def head_sharding(mesh: Mesh, head_axis: str, ndim: int, head_dim_index: int) -> NamedSharding:
+    """NamedSharding splitting dimension `head_dim_index` of an `ndim`-D array over `head_axis`."""
+    spec = [None] * ndim
+    spec[head_dim_index] = head_axis
+    return NamedSharding(mesh, P(*spec))
+
+
+def sparse_mla_decode_sharded(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    indices: jax.Array,
+    topk_length: jax.Array | None = None,
+    *,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    batch_axis: str | None = None,
+    extra_kv_cache: jax.Array | None = None,
+    extra_indices: jax.Array | None = None,
+    extra_topk_length: jax.Array | None = None,
+    attn_sink: jax.Array | None = None,
+    **kwargs,
+) -> tuple[jax.Array, jax.Array]:
+    """`sparse_mla_decode` over a mesh; same arguments and results (see the module docstring).
+
+    With `batch_axis`, `kv_cache` / `extra_kv_cache` hold every shard's pages concatenated along
+    the block axis and each shard's indices are local to its pages.
+    """
+    if head_axis is None and batch_axis is None:
+        raise ValueError("give head_axis and/or batch_axis")
+    nh, nb = _axis_size(mesh, head_axis), _axis_size(mesh, batch_axis)
+    b, s_q, h_q, _ = q.shape
+    _check_div("q heads", h_q, head_axis, nh)
+    _check_div("batch", b, batch_axis, nb)
+    _check_div("kv_cache blocks", kv_cache.shape[0], batch_axis, nb)
+    if extra_kv_cache is not None:
+        _check_div("extra_kv_cache blocks", extra_kv_cache.shape[0], batch_axis, nb)
+    if topk_length is None:
+        topk_length = jnp.full((b,), indices.shape[2], jnp.int32)
+    has_extra = extra_kv_cache is not None
+    if has_extra and extra_topk_length is None:
+        extra_topk_length = jnp.full((b,), extra_indices.shape[2], jnp.int32)
+    cache_spec = P(batch_axis) if batch_axis else P()
+    row = P(batch_axis)
+    args = [q, kv_cache, indices, topk_length]
+    specs = [P(batch_axis, None, head_axis, None), cache_spec, P(batch_axis, None, None), row]
+    if attn_sink is not None:
+        args.append(attn_sink)
+        specs.append(P(head_axis))
+    if has_extra:
+        args += [extra_kv_cache, extra_indices, extra_topk_length]
+        specs += [cache_spec, P(batch_axis, None, None), row]
+
+    def body(*a):
+        q, cache, idx, tl, *rest = a
+        sink = rest.pop(0) if attn_sink is not None else None
+        extra = {}
+        if has_extra:
+            extra = dict(extra_kv_cache=rest[0], extra_indices=rest[1], extra_topk_length=rest[2])
+        return sparse_mla_decode(q, cache, idx, tl, attn_sink=sink, **extra, **kwargs)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                      out_specs=(P(batch_axis, None, head_axis, None), P(batch_axis, None, head_axis)),
+                      check_vma=False)
+    return f(*args)
+
+
+def sparse_mla_prefill_sharded(
+    q: jax.Array,
+    kv: jax.Array,
+    indices: jax.Array,
+    *,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    token_axis: str | None = None,
+    attn_sink: jax.Array | None = None,
+    topk_length: jax.Array | None = None,
+    **kwargs,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sparse_mla_prefill` over a mesh: heads over `head_axis`, query tokens over `token_axis`,
+    `kv` replicated. Same results as the single-device op."""
+    if head_axis is None and token_axis is None:
+        raise ValueError("give head_axis and/or token_axis")
+    nh, nt = _axis_size(mesh, head_axis), _axis_size(mesh, token_axis)
+    s_q, h_q, _ = q.shape
+    _check_div("q heads", h_q, head_axis, nh)
+    _check_div("query tokens", s_q, token_axis, nt)
+    if topk_length is None:
+        topk_length = jnp.full((s_q,), indices.shape[-1], jnp.int32)
+    args = [q, kv, indices, topk_length]
+    specs = [P(token_axis, head_axis, None), P(), P(token_axis, *([None] * (indices.ndim - 1))), P(token_axis)]
+    if attn_sink is not None:
+        args.append(attn_sink)
+        specs.append(P(head_axis))
+
+    def body(q, kv, idx, tl, *rest):
+        return sparse_mla_prefill(q, kv, idx, topk_length=tl, attn_sink=rest[0] if rest else None, **kwargs)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                      out_specs=(P(token_axis, head_axis, None), P(token_axis, head_axis), P(token_axis, head_axis)),
+                      check_vma=False)
+    return f(*args)
+
+
+def local_block_tables(block_table: np.ndarray, shard_of_request: np.ndarray, blocks_per_shard: int) -> np.ndarray:
+    """Host-side: global block ids -> each shard's local ids (`block - shard * blocks_per_shard`).
+
+    Raises ValueError if a request's page lives outside its shard's range (negative ids, i.e.
+    unallocated entries, are kept as they are).
+    """
+    bt = np.asarray(block_table)
+    sh = np.asarray(shard_of_request).reshape(-1, 1)
+    lo = sh * blocks_per_shard
+    local = bt - lo
+    bad = (bt >= 0) & ((local < 0) | (local >= blocks_per_shard))
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise ValueError(f"block_table[{r}, {c}] = {bt[r, c]} is not in shard {int(sh[r, 0])}'s pages "
+                         f"[{int(lo[r, 0])}, {int(lo[r, 0]) + blocks_per_shard})")
+    return np.where(bt >= 0, local, bt)
