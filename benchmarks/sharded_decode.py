@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     qs = jax.random.normal(k3, (args.calls, args.b, args.s_q, args.h, 512), jnp.float32).astype(jnp.bfloat16)
     sink = jax.random.normal(k4, (args.h,), jnp.float32)
     flops = 2 * args.h * args.b * args.s_q * args.topk * 1024
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("DSV41_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"# {devs[0].device_kind} x{len(devs)}; b={args.b} s_q={args.s_q} h={args.h} topk={args.topk} {fmt}; "
           f"impl={args.impl}; commit {commit}")
     base = None

@@ -69,10 +69,31 @@ from dsv41_jax.metadata import (
 )
 from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
 
-from dsv41_jax import engine, model, nn, weights
-from dsv41_jax.engine import EngineConfig, InferenceEngine
-from dsv41_jax.model import dense_forward
-from dsv41_jax.nn import DeepseekV41Attention, DeepseekV41Model
-from dsv41_jax.weights import hf_state_dict, load_safetensors, save_safetensors
+from dsv41_jax import sharding
+
+# The Flax model side is imported on first use, so the ops and kernels need no Flax import.
+_LAZY = {
+    "engine": ("dsv41_jax.engine", None), "model": ("dsv41_jax.model", None), "nn": ("dsv41_jax.nn", None),
+    "weights": ("dsv41_jax.weights", None),
+    "EngineConfig": ("dsv41_jax.engine", "EngineConfig"), "InferenceEngine": ("dsv41_jax.engine", "InferenceEngine"),
+    "dense_forward": ("dsv41_jax.model", "dense_forward"),
+    "DeepseekV41Attention": ("dsv41_jax.nn", "DeepseekV41Attention"),
+    "DeepseekV41Model": ("dsv41_jax.nn", "DeepseekV41Model"),
+    "hf_state_dict": ("dsv41_jax.weights", "hf_state_dict"),
+    "load_safetensors": ("dsv41_jax.weights", "load_safetensors"),
+    "save_safetensors": ("dsv41_jax.weights", "save_safetensors"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        m = importlib.import_module(mod)
+        value = m if attr is None else getattr(m, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dsv41_jax' has no attribute {name!r}")
 
 __version__ = "0.1.0"

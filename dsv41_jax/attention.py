@@ -112,13 +112,19 @@ def register_prefill_impl(name: str, fn: Callable[[PrefillCall], tuple], support
     _PREFILL[name] = _Impl(fn, supports or (lambda c: None))
 
 
+_IMPORT_ERRORS: dict[str, str] = {}
+
+
 def _load_optional_impls() -> None:
-    # The fast paths register themselves on import; a missing toolchain just leaves them out.
+    # The fast paths register themselves on import; a missing or broken one is left out, and
+    # `impl=` names it with the reason.
     for mod in ("pallas_kernels", "cuda_ffi"):
+        if mod in _IMPORT_ERRORS:
+            continue
         try:
             __import__(mod)
-        except ImportError:
-            pass
+        except Exception as e:  # noqa: BLE001 - any failure just means the fast path is absent
+            _IMPORT_ERRORS[mod] = f"{type(e).__name__}: {e}"
 
 
 def decode_impls() -> tuple[str, ...]:
@@ -339,8 +345,9 @@ def _choose(table: dict[str, _Impl], impl: str, call: Any, *, kv_cache_dtype: st
     _load_optional_impls()
     if impl != "auto":
         if impl not in table:
-            raise ValueError(f"impl={impl!r} is not available here (available: {sorted(table)}); "
-                             "build or install it, or use impl='auto'")
+            why = {k: v for k, v in _IMPORT_ERRORS.items() if v}
+            raise ValueError(f"impl={impl!r} is not available here (available: {sorted(table)}"
+                             + (f"; import errors: {why}" if why else "") + "); build or install it, or use impl='auto'")
         why = table[impl].supports(call)
         if why is not None:
             raise ValueError(f"impl={impl!r} does not support this call: {why}")

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call does it all: build the CUDA library, run the GPU tests, benchmark.
+#
+#   benchmarks/gpu_check.sh [stage ...]
+#
+# stages (default: env build cuda-tests pallas-tests bench):
+#   env           GPU, driver, jax / flax versions
+#   build         python -m cuda_ffi.build (sm_90a; SM100 is compiled on CPU CI, never run here)
+#   cuda-tests    tests/gpu/test_cuda_gpu.py       pallas-tests  tests/gpu/test_pallas_gpu.py
+#   model-tests   tests/test_model.py with impl=auto on the GPU
+#   bench         python -m benchmarks.sparse_mla --quick (every available impl)
+#   bench-full    python -m benchmarks.sparse_mla (all cases)
+#   sanitizer     compute-sanitizer memcheck over one cuda decode and one prefill
+#   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
+# Logs, JSON, the roofline PNG and benchmark rows for benchmarks/RESULTS.md go to $OUT (default gpu_out/).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# never use NVLink multicast on shared hosts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+PY="${PY:-python3}"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env build cuda-tests pallas-tests bench)
+status=0
+run() { "$@" || { echo "!!! failed ($?): $*"; status=1; }; }
+for s in "${stages[@]}"; do
+  echo "=== $s $(date +%T)"
+  case "$s" in
+    env)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+      $PY -c "import jax, numpy; print('jax', jax.__version__, 'numpy', numpy.__version__, jax.devices())"
+      $PY -c "import flax; print('flax', flax.__version__)" 2>&1 | tail -1 ;;
+    build) run $PY -m cuda_ffi.build --archs 90a 2>&1 | tail -3 ;;
+    cuda-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_gpu.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -30 ;;
+    pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
+    model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
+    bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
+    bench-full) run timeout 560 $PY -m benchmarks.sparse_mla --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
+    sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m cuda_ffi.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
+    sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;
+    *) echo "unknown stage $s"; status=2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,277 @@
+"""Benchmark sparse MLA decode / prefill for every available implementation.
+
+    python -m benchmarks.sparse_mla [--impls xla,pallas,cuda] [--cases decode,prefill] [--quick]
+                                    [--out bench_out] [--record benchmarks/RESULTS.md]
+
+Device-side timing with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`: the sum of the
+kernels each call launches, so host dispatch is excluded); wall clock with block_until_ready as a
+fallback (CPU). Each case draws several independent input sets (fresh indices and queries over a
+cache far larger than L2) and reports the median over sets x iterations, so L2 never serves a
+repeat. FLOPs and bytes follow FlashMLA's test harness (flashmla.md section 5):
+decode FLOPs = 2 h_q attended (512 + 512), bytes = Q + unique tokens x 576 + O;
+prefill FLOPs = 2 sum(topk_length) h_q (512 + 512), bytes = Q + unique kv rows x 1024 + O.
+Prints a table with TFLOP/s, GB/s and the fraction of the H200 ceilings measured here
+(bf16 matmul ~780 TFLOP/s, copy ~4.3 TB/s), writes JSON and a roofline PNG, and appends a dated
+row per case to the results file when --record is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PEAK_TFLOPS = 780.0  # bf16 dense matmul measured on this workplace's H200 (device/KINDS.md)
+PEAK_GBPS = 4300.0  # device-to-device copy, read + write, same source
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    op: str  # "decode" | "prefill"
+    b: int = 1
+    s_q: int = 1
+    h_q: int = 128
+    topk: int = 2048
+    block_size: int = 64
+    fmt: str = "fp8_ds_mla"
+    extra_topk: int = 0
+    extra_block_size: int = 64
+    s_kv: int = 16384  # tokens per request in the cache (decode) / rows of kv (prefill)
+    sink: bool = True
+
+
+DECODE_CASES = [
+    Case("decode_headline_h128", "decode", b=128, s_q=2, h_q=128, topk=2048),
+    Case("decode_h64_topk2048", "decode", b=128, s_q=2, h_q=64, topk=2048),
+    Case("decode_v4_h128_b128", "decode", b=128, s_q=2, h_q=128, topk=128, block_size=256, extra_topk=1024),
+    Case("decode_v4_h64_b128", "decode", b=128, s_q=2, h_q=64, topk=128, block_size=256, extra_topk=512),
+    Case("decode_v4_h128_b64", "decode", b=64, s_q=2, h_q=128, topk=128, block_size=256, extra_topk=1024),
+    Case("decode_v4_h128_b256", "decode", b=256, s_q=2, h_q=128, topk=128, block_size=256, extra_topk=1024),
+    Case("decode_v4_h64_b256", "decode", b=256, s_q=2, h_q=64, topk=128, block_size=256, extra_topk=512),
+]
+PREFILL_CASES = [
+    Case("prefill_h128_topk2048", "prefill", s_q=4096, h_q=128, topk=2048, s_kv=32768, fmt="bf16"),
+    Case("prefill_v4_h128_topk1024", "prefill", s_q=4096, h_q=128, topk=1024, s_kv=32768, fmt="bf16"),
+    Case("prefill_v4_h64_topk512", "prefill", s_q=4096, h_q=64, topk=512, s_kv=32768, fmt="bf16"),
+]
+QUICK = {"decode_headline_h128", "decode_v4_h128_b128", "prefill_h128_topk2048"}
+
+
+def _git_commit() -> str:
+    if os.environ.get("DSV41_COMMIT"):  # the device machine gets a copy of the tree without .git
+        return os.environ["DSV41_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def _timer():
+    """Returns time_fn(f, args, iterations) -> list of ms per call, and the method's name."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            def cupti(f, args, iterations):
+                _, t = profiler.measure(f, aggregate=True, iterations=iterations)(*args)
+                if t is None:
+                    raise RuntimeError("CUPTI returned no kernel timings")
+                return list(t) if isinstance(t, (list, tuple)) else [t]
+
+            return cupti, "cupti"
+        except Exception as e:  # pragma: no cover - depends on the GPU image
+            print(f"# CUPTI timing unavailable ({e}); falling back to wall clock", file=sys.stderr)
+
+    def wall(f, args, iterations):
+        jax.block_until_ready(f(*args))
+        out = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            out.append(1e3 * (time.perf_counter() - t0))
+        return out
+
+    return wall, "wallclock"
+
+
+def _make_decode_inputs(case: Case, key):
+    """A large fp8/bf16 cache (b * s_kv tokens) and `sets` draws of (q, indices, lengths)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import kv_cache as kvc
+
+    def cache(n_tokens, bs, fmt, k):
+        nb = -(-n_tokens // bs)
+        c = kvc.allocate(nb, bs, fmt)
+        rows = jax.random.normal(k, (nb * bs, 512), jnp.float32).astype(jnp.bfloat16)
+        fill = jax.jit(lambda c, r: kvc.insert(c, r, jnp.arange(nb * bs, dtype=jnp.int32), fmt=fmt, block_size=bs),
+                       donate_argnums=0)
+        return fill(c, rows), nb * bs
+
+    k0, k1 = jax.random.split(key)
+    main, cap = cache(case.b * case.s_kv, case.block_size, case.fmt, k0)
+    extra = ecap = None
+    if case.extra_topk:
+        extra, ecap = cache(case.b * max(case.s_kv // 4, case.extra_topk), case.extra_block_size, case.fmt, k1)
+    return main, cap, extra, ecap
+
+
+def _decode_draw(case: Case, key, cap, ecap):
+    import jax
+    import jax.numpy as jnp
+
+    kq, ki, ke = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (case.b, case.s_q, case.h_q, 512), jnp.float32).astype(jnp.bfloat16)
+    # each request reads its own region of the cache, like real sequences do
+    per = cap // case.b
+    base = (jnp.arange(case.b) * per)[:, None, None]
+    idx = (base + jax.random.randint(ki, (case.b, case.s_q, case.topk), 0, per)).astype(jnp.int32)
+    eidx = None
+    if case.extra_topk:
+        eper = ecap // case.b
+        eidx = ((jnp.arange(case.b) * eper)[:, None, None]
+                + jax.random.randint(ke, (case.b, case.s_q, case.extra_topk), 0, eper)).astype(jnp.int32)
+    return q, idx, eidx
+
+
+def _unique(x) -> int:
+    import numpy as np
+
+    return int(np.unique(np.asarray(x)).size)
+
+
+def run_case(case: Case, impl: str, timer, sets: int, iterations: int, seed: int = 0) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import dsv41_jax as d
+
+    key = jax.random.PRNGKey(seed)
+    sink = jax.random.normal(jax.random.PRNGKey(seed + 1), (case.h_q,), jnp.float32) if case.sink else None
+    times = []
+    if case.op == "decode":
+        main, cap, extra, ecap = _make_decode_inputs(case, key)
+        kw = dict(kv_format=case.fmt, block_size=case.block_size, softmax_scale=512 ** -0.5, attn_sink=sink, impl=impl)
+        if extra is not None:
+            kw.update(extra_kv_format=case.fmt, extra_block_size=case.extra_block_size)
+        f = jax.jit(lambda q, c, i, e, ei: d.sparse_mla_decode(
+            q, c, i, None, **kw, **({"extra_kv_cache": e, "extra_indices": ei} if e is not None else {})))
+        uniq = 0
+        for s in range(sets):
+            q, idx, eidx = _decode_draw(case, jax.random.fold_in(key, 100 + s), cap, ecap)
+            times += timer(f, (q, main, idx, extra, eidx), iterations)
+            uniq += _unique(idx) + (_unique(eidx) if eidx is not None else 0)
+        attended = case.b * case.s_q * (case.topk + case.extra_topk)
+        flops = 2 * case.h_q * attended * 1024
+        bytes_ = 2 * 2 * case.b * case.s_q * case.h_q * 512 + (uniq / sets) * 576
+    else:
+        kk, kq = jax.random.split(key)
+        kv = jax.random.normal(kk, (case.s_kv, 512), jnp.float32).astype(jnp.bfloat16)
+        f = jax.jit(lambda q, kv, i: d.sparse_mla_prefill(q, kv, i, softmax_scale=512 ** -0.5, attn_sink=sink, impl=impl))
+        uniq = 0
+        for s in range(sets):
+            k1, k2 = jax.random.split(jax.random.fold_in(kq, s))
+            q = jax.random.normal(k1, (case.s_q, case.h_q, 512), jnp.float32).astype(jnp.bfloat16)
+            idx = jax.random.randint(k2, (case.s_q, case.topk), 0, case.s_kv).astype(jnp.int32)
+            times += timer(f, (q, kv, idx), iterations)
+            uniq += _unique(idx)
+        flops = 2 * case.s_q * case.topk * case.h_q * 1024
+        bytes_ = 2 * 2 * case.s_q * case.h_q * 512 + (uniq / sets) * 1024
+    ms = statistics.median(times)
+    tflops = flops / (ms * 1e-3) / 1e12
+    gbps = bytes_ / (ms * 1e-3) / 1e9
+    return dict(case=case.name, op=case.op, impl=impl, ms=ms, us=ms * 1e3, tflops=tflops, gbps=gbps,
+                frac_flops=tflops / PEAK_TFLOPS, frac_bw=gbps / PEAK_GBPS, flops=flops, bytes=bytes_,
+                samples=len(times), spread=(max(times) - min(times)) / ms if ms else 0.0, config=dataclasses.asdict(case))
+
+
+def _plot(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed: no roofline plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [10 ** (i / 10) for i in range(-10, 41)]
+    ax.plot(xs, [min(PEAK_TFLOPS, x * PEAK_GBPS / 1e3) for x in xs], "k-", lw=1, label="H200 roofline (measured ceilings)")
+    markers = {"xla": "s", "pallas": "o", "cuda": "^"}
+    for r in results:
+        ai = r["flops"] / r["bytes"]
+        ax.loglog(ai, r["tflops"], markers.get(r["impl"], "x"), label=f"{r['impl']} {r['case']}")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("sparse MLA on the H200")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default=None, help="comma list (default: every registered implementation)")
+    ap.add_argument("--cases", default="decode,prefill", help="decode, prefill, or case names, comma separated")
+    ap.add_argument("--quick", action="store_true", help="headline cases only")
+    ap.add_argument("--sets", type=int, default=3, help="independent input draws per case")
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--record", default=None, help="append rows to this markdown file (benchmarks/RESULTS.md)")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import dsv41_jax as d
+
+    wanted = set(args.cases.split(","))
+    cases = [c for c in DECODE_CASES + PREFILL_CASES
+             if c.op in wanted or c.name in wanted]
+    if args.quick:
+        cases = [c for c in cases if c.name in QUICK]
+    impls = args.impls.split(",") if args.impls else sorted(set(d.attention.decode_impls()) | set(d.attention.prefill_impls()))
+    timer, method = _timer()
+    dev = jax.devices()[0]
+    device = getattr(dev, "device_kind", dev.platform)
+    print(f"# device: {device}; timing: {method}; jax {jax.__version__}; commit {_git_commit()}")
+    results = []
+    for c in cases:
+        for impl in impls:
+            table = d.attention.decode_impls() if c.op == "decode" else d.attention.prefill_impls()
+            if impl not in table:
+                continue
+            try:
+                r = run_case(c, impl, timer, args.sets, args.iterations)
+            except Exception as e:
+                print(f"{c.name:28s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            results.append(r)
+            print(f"{c.name:28s} {impl:7s} {r['us']:10.1f} us {r['tflops']:8.1f} TFLOP/s ({100 * r['frac_flops']:5.1f}%)"
+                  f" {r['gbps']:8.0f} GB/s ({100 * r['frac_bw']:5.1f}%)  spread {100 * r['spread']:.1f}%", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(date=datetime.date.today().isoformat(), commit=_git_commit(), device=device, timing=method,
+                jax=jax.__version__, command="python -m benchmarks.sparse_mla " + " ".join(argv or sys.argv[1:]))
+    with open(os.path.join(args.out, "sparse_mla.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    _plot(results, os.path.join(args.out, "roofline.png"))
+    if args.record and results:
+        with open(args.record, "a") as f:
+            for r in results:
+                f.write(f"| {meta['date']} | {meta['commit']} | {device} | {r['case']} | {r['impl']} | {r['us']:.1f} | "
+                        f"{r['tflops']:.1f} | {r['gbps']:.0f} | `{meta['command']}` |\n")
+    print(f"# wrote {args.out}/sparse_mla.json and {args.out}/roofline.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""JAX side of the `impl="cuda"` kernels: argument preparation and the XLA FFI calls.
+
+Both kernels work on 64-head groups and 64-token tiles, so the wrapper
+- pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back;
+- pads indices with -1 to a multiple of 64 (at least 64);
+- clamps topk_length / extra_topk_length to [0, topk] (the kernel clamps again) and, for decode,
+  builds FlashMLA's split plan with `dsv41_jax.scheduler.plan_decode_splits` from those clamped
+  lengths, with `num_sm_parts_for("sm90", num_sms, s_q, h_q)` parts, so the kernel and the plan
+  count a request's 64-token blocks the same way (main blocks `ceil(max(len, 1) / 64)`, then
+  `ceil(extra_len / 64)` extra blocks);
+- passes the split accumulators `o_accum f32[b + parts, s_q, h_pad, 512]` and `lse_accum` as
+  extra FFI results (no allocation inside the handler; command-buffer compatible).
+Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h_q, 512], lse f32
+[b, s_q, h_q])`, prefill `(out bf16 [s_q, h_q, 512], max_logits f32 [s_q, h_q], lse f32 [s_q, h_q])`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
+
+DECODE_TARGET = "dsv41_sparse_mla_decode"
+PREFILL_TARGET = "dsv41_sparse_mla_prefill"
+HEAD_DIM = 512
+GROUP = 64
+FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
+DEFAULT_NUM_SMS = 132
+
+
+# ------------------------------------------------------------------------------ checks
+def _require(name: str, x: Any, *, dtype, ndim: int) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"cuda: {name} must be an array, got {type(x).__name__}")
+    if x.dtype != jnp.dtype(dtype):
+        raise TypeError(f"cuda: {name} must have dtype {jnp.dtype(dtype).name}, got {x.dtype} (shape {tuple(x.shape)})")
+    if x.ndim != ndim:
+        raise ValueError(f"cuda: {name} must be {ndim}-D, got shape {tuple(x.shape)}")
+
+
+def _check_cache(name: str, cache: Any, fmt: str, bs: int) -> None:
+    if fmt not in FORMAT_CODES:
+        raise ValueError(f"cuda: {name} format must be one of {sorted(FORMAT_CODES)}, got {fmt!r}")
+    if fmt == "bf16":
+        _require(name, cache, dtype=jnp.bfloat16, ndim=3)
+        if tuple(cache.shape[1:]) != (bs, HEAD_DIM):
+            raise ValueError(f"cuda: {name} (bf16) must be [num_blocks, {bs}, {HEAD_DIM}], got {tuple(cache.shape)}")
+    else:
+        _require(name, cache, dtype=jnp.uint8, ndim=2)
+        pb = -(-bs * 584 // 576) * 576
+        if cache.shape[1] != pb:
+            raise ValueError(f"cuda: {name} (fp8_ds_mla, block_size {bs}) must be uint8[num_blocks, {pb}], "
+                             f"got {tuple(cache.shape)}")
+
+
+def decode_supports(call) -> str | None:
+    """None if the CUDA decode kernel reads this call's cache formats, else why not."""
+    if call.kv_format not in FORMAT_CODES:
+        return f"the cuda kernels read kv_format 'bf16' or 'fp8_ds_mla', not {call.kv_format!r}"
+    if call.has_extra and call.extra_kv_format not in FORMAT_CODES:
+        return f"the cuda kernels read extra_kv_format 'bf16' or 'fp8_ds_mla', not {call.extra_kv_format!r}"
+    return None
+
+
+def prefill_supports(call) -> str | None:
+    return None
+
+
+# ------------------------------------------------------------------------------ helpers
+def _pad_axis(x: jax.Array, axis: int, size: int, value) -> jax.Array:
+    n = x.shape[axis]
+    if n == size:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, size - n)
+    return jnp.pad(x, pads, constant_values=value)
+
+
+def _round_up(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
+def _sink(sink: jax.Array | None, h_q: int, h_pad: int) -> jax.Array:
+    s = jnp.full((h_q,), -jnp.inf, jnp.float32) if sink is None else jnp.asarray(sink, jnp.float32)
+    return _pad_axis(s, 0, h_pad, -jnp.inf)
+
+
+@functools.cache
+def default_num_sms() -> int:
+    """SM count of the first GPU (`core_count`), or 132 (H100/H200) when there is none."""
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            n = getattr(dev, "core_count", None)
+            if isinstance(n, (int, np.integer)) and n > 0:
+                return int(n)
+    except Exception:
+        pass
+    return DEFAULT_NUM_SMS
+
+
+# ------------------------------------------------------------------------------ decode
+def prepare_decode(call, *, num_sms: int | None = None) -> tuple[tuple, dict, tuple, dict]:
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `DecodeCall`."""
+    q = call.q
+    _require("q", q, dtype=jnp.bfloat16, ndim=4)
+    b, s_q, h_q, d = q.shape
+    if d != HEAD_DIM:
+        raise ValueError(f"cuda: q's head dim must be {HEAD_DIM}, got shape {tuple(q.shape)}")
+    _check_cache("kv_cache", call.kv_cache, call.kv_format, call.block_size)
+    _require("indices", call.indices, dtype=jnp.int32, ndim=3)
+    _require("topk_length", call.topk_length, dtype=jnp.int32, ndim=1)
+    if call.attn_sink is not None:
+        _require("attn_sink", call.attn_sink, dtype=jnp.float32, ndim=1)
+    h_pad = _round_up(h_q, GROUP)
+    qp = _pad_axis(q, 2, h_pad, 0)
+    sink = _sink(call.attn_sink, h_q, h_pad)
+    topk = call.indices.shape[2]
+    idx = _pad_axis(call.indices, 2, _round_up(topk, GROUP), -1)
+    tl = jnp.clip(call.topk_length, 0, topk).astype(jnp.int32)
+    parts = num_sm_parts_for("sm90", num_sms=num_sms or default_num_sms(), s_q=s_q, h_q=h_q)
+    if call.has_extra:
+        _check_cache("extra_kv_cache", call.extra_kv_cache, call.extra_kv_format, call.extra_block_size)
+        _require("extra_indices", call.extra_indices, dtype=jnp.int32, ndim=3)
+        _require("extra_topk_length", call.extra_topk_length, dtype=jnp.int32, ndim=1)
+        etopk = call.extra_indices.shape[2]
+        eidx = _pad_axis(call.extra_indices, 2, _round_up(etopk, GROUP), -1)
+        etl = jnp.clip(call.extra_topk_length, 0, etopk).astype(jnp.int32)
+        ekv = call.extra_kv_cache
+        efmt, ebs = FORMAT_CODES[call.extra_kv_format], int(call.extra_block_size)
+        meta, splits = plan_decode_splits(tl, topk=topk, num_sm_parts=parts, extra_topk_length=etl)
+    else:
+        ekv = jnp.zeros((1, 1), jnp.uint8)
+        eidx = jnp.full((1, 1, 1), -1, jnp.int32)
+        etl = jnp.zeros((1,), jnp.int32)
+        efmt, ebs = 0, 1
+        meta, splits = plan_decode_splits(tl, topk=topk, num_sm_parts=parts)
+    args = (qp, call.kv_cache, idx, tl, sink, meta, splits, ekv, eidx, etl)
+    attrs = dict(softmax_scale=np.float32(call.softmax_scale), kv_format=np.int64(FORMAT_CODES[call.kv_format]),
+                 block_size=np.int64(call.block_size), has_extra=np.int64(1 if call.has_extra else 0),
+                 extra_kv_format=np.int64(efmt), extra_block_size=np.int64(ebs))
+    results = (
+        jax.ShapeDtypeStruct((b, s_q, h_pad, HEAD_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, s_q, h_pad), jnp.float32),
+        jax.ShapeDtypeStruct((b + parts, s_q, h_pad, HEAD_DIM), jnp.float32),
+        jax.ShapeDtypeStruct((b + parts, s_q, h_pad), jnp.float32),
+    )
+    return args, attrs, results, dict(h_q=h_q, h_pad=h_pad, num_parts=parts)
+
+
+def _empty_decode(call):
+    b, s_q, h_q, d = call.q.shape
+    return jnp.zeros((b, s_q, h_q, d), jnp.bfloat16), jnp.full((b, s_q, h_q), jnp.inf, jnp.float32)
+
+
+def decode(call) -> tuple[jax.Array, jax.Array]:
+    """`impl="cuda"` sparse decode of a checked `DecodeCall`: `(out, lse)` like the xla reference."""
+    from cuda_ffi import ensure_registered
+
+    b, s_q = call.q.shape[:2]
+    if b == 0 or s_q == 0:
+        return _empty_decode(call)
+    args, attrs, results, info = prepare_decode(call)
+    ensure_registered()
+    out, lse, _, _ = jax.ffi.ffi_call(DECODE_TARGET, results)(*args, **attrs)
+    h_q = info["h_q"]
+    if info["h_pad"] != h_q:
+        out, lse = out[:, :, :h_q], lse[:, :, :h_q]
+    return out, lse
+
+
+# ------------------------------------------------------------------------------ prefill
+def prepare_prefill(call) -> tuple[tuple, dict, tuple, dict]:
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `PrefillCall`."""
+    q = call.q
+    _require("q", q, dtype=jnp.bfloat16, ndim=3)
+    s_q, h_q, d = q.shape
+    if d != HEAD_DIM:
+        raise ValueError(f"cuda: q's head dim must be {HEAD_DIM}, got shape {tuple(q.shape)}")
+    _require("kv", call.kv, dtype=jnp.bfloat16, ndim=2)
+    if call.kv.shape[1] != HEAD_DIM:
+        raise ValueError(f"cuda: kv must be [s_kv, {HEAD_DIM}], got {tuple(call.kv.shape)}")
+    _require("indices", call.indices, dtype=jnp.int32, ndim=2)
+    _require("topk_length", call.topk_length, dtype=jnp.int32, ndim=1)
+    if call.attn_sink is not None:
+        _require("attn_sink", call.attn_sink, dtype=jnp.float32, ndim=1)
+    h_pad = _round_up(h_q, GROUP)
+    qp = _pad_axis(q, 1, h_pad, 0)
+    sink = _sink(call.attn_sink, h_q, h_pad)
+    topk = call.indices.shape[1]
+    idx = _pad_axis(call.indices, 1, _round_up(topk, GROUP), -1)
+    tl = jnp.clip(call.topk_length, 0, topk).astype(jnp.int32)
+    args = (qp, call.kv, idx, tl, sink)
+    attrs = dict(softmax_scale=np.float32(call.softmax_scale))
+    results = (
+        jax.ShapeDtypeStruct((s_q, h_pad, HEAD_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((s_q, h_pad), jnp.float32),
+        jax.ShapeDtypeStruct((s_q, h_pad), jnp.float32),
+    )
+    return args, attrs, results, dict(h_q=h_q, h_pad=h_pad)
+
+
+def prefill(call) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`impl="cuda"` sparse prefill of a checked `PrefillCall`: `(out, max_logits, lse)`."""
+    from cuda_ffi import ensure_registered
+
+    s_q, h_q, d = call.q.shape
+    if s_q == 0:
+        return (jnp.zeros((0, h_q, d), jnp.bfloat16), jnp.zeros((0, h_q), jnp.float32),
+                jnp.zeros((0, h_q), jnp.float32))
+    args, attrs, results, info = prepare_prefill(call)
+    ensure_registered()
+    out, max_logits, lse = jax.ffi.ffi_call(PREFILL_TARGET, results)(*args, **attrs)
+    if info["h_pad"] != h_q:
+        out, max_logits, lse = out[:, :h_q], max_logits[:, :h_q], lse[:, :h_q]
+    return out, max_logits, lse

@@ -1,0 +1,185 @@
+"""Build the dsv41 CUDA FFI library (and, for CPU tests, the host emulator of its kernels).
+
+    python -m cuda_ffi.build            # cuda_ffi/lib/libdsv41_cuda.so (sm_90a + sm_100a)
+    python -m cuda_ffi.build --emu      # also cuda_ffi/lib/libdsv41_emu.so (g++, no CUDA needed)
+    python -m cuda_ffi.build --emu-only # only the emulator
+    python -m cuda_ffi.build --archs 90a
+
+The CUDA build needs nvcc (PATH, $CUDACXX, $CUDA_HOME/bin or /usr/local/cuda/bin) and cmake
+(PATH or the `cmake` pip package); it passes `jax.ffi.include_dir()` to CMake and links the CUDA
+runtime statically, so the library loads on machines without a GPU. ptxas's resource report
+(registers, shared memory, spills per kernel) is written to cuda_ffi/lib/ptxas_report.txt.
+The built library is picked up by `import cuda_ffi`; set DSV41_CUDA_LIB=/path/to/lib.so to use
+another one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LIB_DIR = HERE / "lib"
+BUILD_DIR = HERE / "build"
+LIB_NAME = "libdsv41_cuda.so"
+EMU_NAME = "libdsv41_emu.so"
+DEFAULT_ARCHS = "90a;100a"
+
+__all__ = ["find_nvcc", "find_cmake", "find_cxx", "build_library", "build_emulator", "BuildError"]
+
+
+class BuildError(RuntimeError):
+    """A tool is missing or a build step failed (the message says which and why)."""
+
+
+def find_nvcc() -> str | None:
+    for env in ("CUDACXX", "NVCC"):
+        p = os.environ.get(env)
+        if p and Path(p).is_file():
+            return p
+    p = shutil.which("nvcc")
+    if p:
+        return p
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def find_cmake() -> str | None:
+    p = shutil.which("cmake")
+    if p:
+        return p
+    try:  # the `cmake` pip package
+        import cmake  # type: ignore
+
+        cand = Path(cmake.CMAKE_BIN_DIR) / "cmake"
+        if cand.is_file():
+            return str(cand)
+    except Exception:
+        pass
+    return None
+
+
+def find_cxx() -> str | None:
+    p = os.environ.get("CXX")
+    if p and shutil.which(p):
+        return shutil.which(p)
+    for name in ("g++", "c++", "clang++"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+def _ffi_include_dir() -> str:
+    import jax
+
+    return str(jax.ffi.include_dir())
+
+
+def _run(cmd: list[str], log: list[str], cwd: Path | None = None, env: dict | None = None) -> None:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log.append("$ " + " ".join(cmd) + "\n" + proc.stdout)
+    if proc.returncode != 0:
+        raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-6000:]}")
+
+
+def _ptxas_report(text: str) -> str:
+    """The ptxas -v lines, one block per kernel and architecture."""
+    keep = []
+    for line in text.splitlines():
+        if "ptxas info" in line and ("Compiling entry" in line or "Used" in line or "Function properties" in line):
+            keep.append(line.split("ptxas info    : ")[-1].strip())
+        elif re.search(r"bytes stack frame", line):
+            keep.append("    " + line.strip())
+    return "\n".join(keep) + "\n"
+
+
+def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_dir: Path = LIB_DIR,
+                  build_dir: Path = BUILD_DIR, verbose: bool = False) -> Path:
+    """Configure and build libdsv41_cuda.so with CMake; returns its path."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (looked at $CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    cmake = find_cmake()
+    if cmake is None:
+        raise BuildError("cmake not found (PATH or `pip install cmake`)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log: list[str] = []
+    t0 = time.time()
+    _run([cmake, "-S", str(HERE), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+          f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DXLA_FFI_INCLUDE_DIR={_ffi_include_dir()}",
+          f"-DDSV41_CUDA_ARCHS={archs}", f"-DDSV41_OUTPUT_DIR={out_dir}"], log)
+    _run([cmake, "--build", str(build_dir), "--parallel", str(jobs or max(os.cpu_count() or 1, 1))], log)
+    lib = out_dir / LIB_NAME
+    if not lib.is_file():
+        raise BuildError(f"build finished but {lib} is missing")
+    text = "\n".join(log)
+    (out_dir / "build.log").write_text(text)
+    report = _ptxas_report(text)
+    if report.strip():  # an up-to-date (no-op) build compiles nothing: keep the last report
+        (out_dir / "ptxas_report.txt").write_text(report)
+    if verbose:
+        print(text)
+    print(f"built {lib} in {time.time() - t0:.1f} s (archs {archs})")
+    return lib
+
+
+EMU_SOURCES = ("emu_main.cc", "emu_runtime.h", "kernels.cuh", "prims.cuh", "params.h", "host_params.h")
+
+
+def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = False) -> Path:
+    """Compile the host emulator of the kernels (emu_main.cc) with the C++ compiler; returns its path.
+    Skipped when the library is newer than all its sources (unless `force`)."""
+    out = out_dir / EMU_NAME
+    if not force and out.is_file():
+        newest = max((HERE / f).stat().st_mtime for f in EMU_SOURCES)
+        if out.stat().st_mtime > newest:
+            return out
+    cxx = find_cxx()
+    if cxx is None:
+        raise BuildError("no C++ compiler found (g++, c++, clang++ or $CXX)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (EMU_NAME + ".tmp")
+    log: list[str] = []
+    t0 = time.time()
+    _run([cxx, "-std=c++17", opt, "-fPIC", "-shared", "-DDSV41_EMULATE", "-I", str(HERE), str(HERE / "emu_main.cc"),
+          "-o", str(tmp), "-lpthread"], log)
+    os.replace(tmp, out)
+    print(f"built {out} in {time.time() - t0:.1f} s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cuda_ffi.build", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--archs", default=DEFAULT_ARCHS, help="semicolon-separated CUDA archs (default 90a;100a)")
+    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--emu", action="store_true", help="also build the host emulator (CPU tests)")
+    ap.add_argument("--emu-only", action="store_true", help="build only the host emulator")
+    ap.add_argument("--clean", action="store_true", help="remove the CMake build directory first")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        if a.clean and BUILD_DIR.exists():
+            shutil.rmtree(BUILD_DIR)
+        if not a.emu_only:
+            build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose)
+            print((LIB_DIR / "ptxas_report.txt").read_text())
+        if a.emu or a.emu_only:
+            build_emulator()
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

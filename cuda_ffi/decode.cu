@@ -1,0 +1,46 @@
+// Sparse MLA decode over a paged KV cache + split combine (device build of kernels.cuh).
+#include "kernels.cuh"
+#include "launch.h"
+
+namespace dsv41 {
+
+__global__ void __launch_bounds__(kThreads, 1) dsv41_decode_kernel(const __grid_constant__ DecodeParams p) {
+  extern __shared__ __align__(128) char smem[];
+  decode_cta(p, smem);
+}
+
+__global__ void __launch_bounds__(kCombineThreads) dsv41_combine_kernel(const __grid_constant__ DecodeParams p) {
+  combine_cta(p);
+}
+
+cudaError_t ensure_smem_limit(const void* func, int bytes, unsigned long long* done_mask) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const unsigned long long bit = dev < 64 ? (1ull << dev) : 0ull;
+  if (bit && (__atomic_load_n(done_mask, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
+  int optin = 0;
+  e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  if (optin < bytes) return cudaErrorInvalidConfiguration;
+  e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return e;
+  if (bit) __atomic_fetch_or(done_mask, bit, __ATOMIC_ACQ_REL);
+  return cudaSuccess;
+}
+
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+  static unsigned long long done = 0;
+  const long long grid = (long long)p.num_groups * p.s_q * p.num_parts;
+  if (grid <= 0 || p.b <= 0) return cudaSuccess;
+  cudaError_t e = ensure_smem_limit((const void*)dsv41_decode_kernel, kSmemBytes, &done);
+  if (e != cudaSuccess) return e;
+  dsv41_decode_kernel<<<(unsigned)grid, kThreads, kSmemBytes, stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  const long long cgrid = (long long)p.b * p.s_q * (p.h_pad / 8);
+  dsv41_combine_kernel<<<(unsigned)cgrid, kCombineThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace dsv41

@@ -1,0 +1,283 @@
+// A small cooperative emulator of CUDA thread blocks on the host, for testing the kernels of
+// kernels.cuh on machines without a GPU (tests/test_cuda_ffi.py builds it with g++).
+//
+// Every CUDA thread is a fiber (ucontext). Fibers switch only at synchronisation points:
+// named barriers (bar.sync / bar.arrive) and warp collectives (ldmatrix, mma.sync, shfl,
+// ballot, __syncwarp). The scheduler resumes the fibers in a fresh random order every round,
+// so a missing barrier between a writer and a reader in different warps shows up as a wrong
+// result. Checks that abort with a message: a warp whose lanes reach different collectives
+// (divergence), a thread arriving twice at one barrier phase, a barrier used with different
+// thread counts, and deadlock (a full round without progress). Thread blocks run one after
+// another on each of a few OS threads (blocks of one launch are independent, as on a GPU).
+#pragma once
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+// Context switch. On x86-64 a hand-written switch (callee-saved registers, MXCSR and the x87
+// control word; no system call), elsewhere ucontext (much slower: it saves the signal mask).
+#if defined(__x86_64__) && !defined(DSV41_EMU_UCONTEXT)
+#define DSV41_EMU_FAST_SWITCH 1
+extern "C" void dsv41_emu_switch(void** save_sp, void* new_sp);
+__asm__(
+    ".text\n"
+    ".weak dsv41_emu_switch\n"
+    ".hidden dsv41_emu_switch\n"
+    ".type dsv41_emu_switch,@function\n"
+    "dsv41_emu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size dsv41_emu_switch, .-dsv41_emu_switch\n");
+#else
+#define DSV41_EMU_FAST_SWITCH 0
+#endif
+
+namespace emu {
+
+struct alignas(16) uint4 { uint32_t x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+
+enum : int { kTagSyncwarp = 1, kTagShfl, kTagBallot, kTagLdsm, kTagLdsmT, kTagMma };
+
+struct Cta;
+
+struct Fiber {
+  ucontext_t ctx;
+  void* sp = nullptr;  // saved stack pointer (fast switch)
+  int tid = 0;
+  bool done = false;
+};
+
+struct Bar {
+  int arrived = 0;
+  int expected = 0;
+  uint64_t gen = 0;
+  std::vector<uint8_t> here;  // per thread: arrived in the current phase
+};
+
+struct WarpSlot {
+  uint64_t gen = 0;
+  int arrived = 0;
+  int tag[2] = {0, 0};
+  alignas(16) unsigned char data[2][32][64];
+};
+
+struct Cta {
+  int nthreads = 0;
+  int64_t block = 0;
+  char* smem = nullptr;
+  std::vector<Fiber> fibers;
+  std::vector<char*> stacks;
+  size_t stack_bytes = 0;
+  Bar bars[16];
+  std::vector<WarpSlot> warps;
+  ucontext_t sched;
+  void* sched_sp = nullptr;
+  uint64_t progress = 0;
+  std::mt19937_64 rng;
+  const std::function<void(char*)>* body = nullptr;
+};
+
+inline thread_local Cta* cur_cta = nullptr;
+inline thread_local Fiber* cur_fiber = nullptr;
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "emu: %s (block %lld, thread %d)\n", what, (long long)(cur_cta ? cur_cta->block : -1),
+               cur_fiber ? cur_fiber->tid : -1);
+  std::fflush(stderr);
+  std::abort();
+}
+
+inline void yield() {
+#if DSV41_EMU_FAST_SWITCH
+  dsv41_emu_switch(&cur_fiber->sp, cur_cta->sched_sp);
+#else
+  swapcontext(&cur_fiber->ctx, &cur_cta->sched);
+#endif
+}
+
+inline void bar_arrive_impl(int id, int n) {
+  Cta* c = cur_cta;
+  if (id < 0 || id >= 16) fail("barrier id out of range");
+  if (n <= 0 || n % 32 || n > c->nthreads) fail("barrier thread count must be a positive multiple of 32 <= block size");
+  Bar& b = c->bars[id];
+  if ((int)b.here.size() != c->nthreads) b.here.assign(c->nthreads, 0);
+  if (b.arrived == 0) b.expected = n;
+  else if (b.expected != n) fail("barrier used with two different thread counts in one phase");
+  if (b.here[cur_fiber->tid]) fail("thread arrived twice at one barrier phase");
+  b.here[cur_fiber->tid] = 1;
+  ++b.arrived;
+  ++c->progress;
+  if (b.arrived == n) {
+    b.arrived = 0;
+    ++b.gen;
+    std::fill(b.here.begin(), b.here.end(), 0);
+  }
+}
+
+inline void bar_arrive(int id, int n) {
+  bar_arrive_impl(id, n);
+  yield();  // let others run: arrive never waits, but interleavings should vary
+}
+
+inline void bar_sync(int id, int n) {
+  Bar& b = cur_cta->bars[id];
+  uint64_t g = b.gen;
+  bar_arrive_impl(id, n);
+  while (b.gen == g) yield();
+}
+
+// All 32 lanes of the calling warp deposit `size` bytes; once all arrived, each lane runs
+// `read(data)` where data[lane] holds that lane's deposit.
+template <class F>
+inline void warp_collective(int tag, const void* in, size_t size, F&& read) {
+  Cta* c = cur_cta;
+  int tid = cur_fiber->tid;
+  WarpSlot& w = c->warps[tid >> 5];
+  uint64_t g = w.gen;
+  int slot = (int)(g & 1);
+  if (w.arrived == 0) w.tag[slot] = tag;
+  else if (w.tag[slot] != tag) fail("lanes of one warp reached different warp-collective instructions");
+  if (size > 64) fail("collective payload too large");
+  if (size) std::memcpy(w.data[slot][tid & 31], in, size);
+  ++w.arrived;
+  ++c->progress;
+  if (w.arrived == 32) {
+    w.arrived = 0;
+    ++w.gen;
+  } else {
+    while (w.gen == g) yield();
+  }
+  read(w.data[slot]);
+}
+
+inline void fiber_entry(int idx) {
+  Cta* c = cur_cta;
+  (*c->body)(c->smem);
+  c->fibers[idx].done = true;
+  ++c->progress;
+  // returning switches to uc_link (the scheduler)
+}
+
+#if DSV41_EMU_FAST_SWITCH
+[[noreturn]] inline void fiber_start() {
+  Fiber* f = cur_fiber;
+  Cta* c = cur_cta;
+  (*c->body)(c->smem);
+  f->done = true;
+  ++c->progress;
+  dsv41_emu_switch(&f->sp, c->sched_sp);
+  fail("finished fiber resumed");
+}
+
+// A fresh stack whose first switch "returns" into fiber_start with the ABI's alignment.
+inline void* init_stack(char* stack, size_t bytes) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15);
+  uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+  *--sp = 0;                                                        // fake return address of fiber_start
+  *--sp = reinterpret_cast<uint64_t>(reinterpret_cast<void*>(&fiber_start));  // ret target (16-aligned slot)
+  for (int i = 0; i < 6; ++i) *--sp = 0;                            // rbp rbx r12 r13 r14 r15
+  *--sp = 0x0000037f00001f80ull;                                    // mxcsr (low) | x87 control word
+  return sp;
+}
+#endif
+
+// Runs one thread block of `nthreads` threads to completion.
+inline void run_cta(Cta& c) {
+  cur_cta = &c;
+  for (int i = 0; i < c.nthreads; ++i) {
+    Fiber& f = c.fibers[i];
+    f.tid = i;
+    f.done = false;
+#if DSV41_EMU_FAST_SWITCH
+    f.sp = init_stack(c.stacks[i], c.stack_bytes);
+#else
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = c.stacks[i];
+    f.ctx.uc_stack.ss_size = c.stack_bytes;
+    f.ctx.uc_link = &c.sched;
+    makecontext(&f.ctx, (void (*)())fiber_entry, 1, i);
+#endif
+  }
+  for (auto& b : c.bars) { b.arrived = 0; b.expected = 0; b.here.assign(c.nthreads, 0); }
+  for (auto& w : c.warps) { w.arrived = 0; w.tag[0] = w.tag[1] = 0; }
+  std::vector<int> order(c.nthreads);
+  for (int i = 0; i < c.nthreads; ++i) order[i] = i;
+  int alive = c.nthreads;
+  while (alive) {
+    uint64_t before = c.progress;
+    std::shuffle(order.begin(), order.end(), c.rng);
+    for (int i : order) {
+      Fiber& f = c.fibers[i];
+      if (f.done) continue;
+      cur_fiber = &f;
+#if DSV41_EMU_FAST_SWITCH
+      dsv41_emu_switch(&c.sched_sp, f.sp);
+#else
+      swapcontext(&c.sched, &f.ctx);
+#endif
+      cur_fiber = nullptr;
+    }
+    alive = 0;
+    for (auto& f : c.fibers) alive += f.done ? 0 : 1;
+    if (alive && c.progress == before) {
+      std::fprintf(stderr, "emu: deadlock in block %lld; barrier states:", (long long)c.block);
+      for (int i = 0; i < 16; ++i)
+        if (c.bars[i].arrived) std::fprintf(stderr, " [id %d: %d/%d]", i, c.bars[i].arrived, c.bars[i].expected);
+      std::fprintf(stderr, "\n");
+      std::abort();
+    }
+  }
+  cur_cta = nullptr;
+}
+
+// Launch `grid` blocks of `nthreads` threads with `smem_bytes` of (poisoned) shared memory.
+// body(smem) runs once per thread; it reads its ids through cur_fiber / cur_cta.
+inline void launch(int64_t grid, int nthreads, size_t smem_bytes, const std::function<void(char*)>& body,
+                   uint64_t seed = 1, int workers = 0) {
+  if (grid <= 0) return;
+  if (workers <= 0) workers = (int)std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
+  workers = (int)std::min<int64_t>(workers, grid);
+  std::atomic<int64_t> next{0};
+  auto work = [&](int wid) {
+    Cta c;
+    c.nthreads = nthreads;
+    c.stack_bytes = 256 * 1024;
+    c.fibers.resize(nthreads);
+    c.stacks.resize(nthreads);
+    for (int i = 0; i < nthreads; ++i) c.stacks[i] = static_cast<char*>(std::malloc(c.stack_bytes));
+    c.warps.resize((nthreads + 31) / 32);
+    std::vector<char> smem(smem_bytes + 128);
+    char* base = smem.data() + ((128 - (reinterpret_cast<uintptr_t>(smem.data()) & 127)) & 127);
+    c.smem = base;
+    c.body = &body;
+    for (int64_t blk; (blk = next.fetch_add(1)) < grid;) {
+      std::memset(base, 0xff, smem_bytes);  // poison: NaN-ish bf16 / f32 patterns
+      c.block = blk;
+      c.rng.seed(seed * 0x9E3779B97F4A7C15ull + (uint64_t)blk * 1315423911ull + (uint64_t)wid);
+      run_cta(c);
+    }
+    for (char* s : c.stacks) std::free(s);
+  };
+  std::vector<std::thread> ts;
+  for (int w = 1; w < workers; ++w) ts.emplace_back(work, w);
+  work(0);
+  for (auto& t : ts) t.join();
+}
+
+}  // namespace emu

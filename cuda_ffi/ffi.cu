@@ -1,0 +1,116 @@
+// XLA FFI handlers of the dsv41 CUDA kernels (exported C symbols, loaded with ctypes):
+//   Dsv41SparseMlaDecode   -> FFI target "dsv41_sparse_mla_decode"
+//   Dsv41SparseMlaPrefill  -> FFI target "dsv41_sparse_mla_prefill"
+// Both are command-buffer compatible: they only enqueue kernels on XLA's stream, allocate
+// nothing (the split accumulators are extra results) and never synchronise.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "host_params.h"
+#include "launch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+dsv41::TensorView view(const ffi::AnyBuffer& b) {
+  dsv41::TensorView t{};
+  t.data = b.untyped_data();
+  auto dims = b.dimensions();
+  t.rank = (int32_t)dims.size();
+  for (int i = 0; i < t.rank && i < 8; ++i) t.dims[i] = dims[i];
+  switch (b.element_type()) {
+    case ffi::DataType::BF16: t.dtype = (int32_t)dsv41::DType::kBF16; break;
+    case ffi::DataType::U8: t.dtype = (int32_t)dsv41::DType::kU8; break;
+    case ffi::DataType::S32: t.dtype = (int32_t)dsv41::DType::kS32; break;
+    case ffi::DataType::F32: t.dtype = (int32_t)dsv41::DType::kF32; break;
+    default: t.dtype = (int32_t)dsv41::DType::kOther; break;
+  }
+  return t;
+}
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  if (e == cudaErrorInvalidConfiguration)
+    return ffi::Error::Internal(std::string(what) + ": the device does not allow " + std::to_string(dsv41::kSmemBytes) +
+                                " bytes of shared memory per block (needs sm_90 / sm_100)");
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+
+ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer indices,
+                      ffi::AnyBuffer topk_length, ffi::AnyBuffer attn_sink, ffi::AnyBuffer sched,
+                      ffi::AnyBuffer num_splits, ffi::AnyBuffer extra_kv, ffi::AnyBuffer extra_indices,
+                      ffi::AnyBuffer extra_topk_length, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> o_accum,
+                      ffi::Result<ffi::AnyBuffer> lse_accum, float softmax_scale, int64_t kv_format,
+                      int64_t block_size, int64_t has_extra, int64_t extra_kv_format, int64_t extra_block_size) {
+  const dsv41::TensorView in[10] = {view(q),         view(kv),         view(indices),       view(topk_length),
+                                    view(attn_sink), view(sched),      view(num_splits),    view(extra_kv),
+                                    view(extra_indices), view(extra_topk_length)};
+  const dsv41::TensorView res[4] = {view(*out), view(*lse), view(*o_accum), view(*lse_accum)};
+  dsv41::DecodeParams p{};
+  std::string err = dsv41::make_decode_params(in, res, softmax_scale, kv_format, block_size, has_extra,
+                                              extra_kv_format, extra_block_size, &p);
+  if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_sparse_mla_decode: " + err);
+  cudaError_t e = dsv41::launch_decode(p, stream);
+  if (e != cudaSuccess) return cuda_error("dsv41_sparse_mla_decode launch", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error PrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer indices,
+                       ffi::AnyBuffer topk_length, ffi::AnyBuffer attn_sink, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> max_logits, ffi::Result<ffi::AnyBuffer> lse, float softmax_scale) {
+  const dsv41::TensorView in[5] = {view(q), view(kv), view(indices), view(topk_length), view(attn_sink)};
+  const dsv41::TensorView res[3] = {view(*out), view(*max_logits), view(*lse)};
+  dsv41::PrefillParams p{};
+  std::string err = dsv41::make_prefill_params(in, res, softmax_scale, &p);
+  if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_sparse_mla_prefill: " + err);
+  cudaError_t e = dsv41::launch_prefill(p, stream);
+  if (e != cudaSuccess) return cuda_error("dsv41_sparse_mla_prefill launch", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaDecode, DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // kv_cache
+                                  .Arg<ffi::AnyBuffer>()  // indices
+                                  .Arg<ffi::AnyBuffer>()  // topk_length
+                                  .Arg<ffi::AnyBuffer>()  // attn_sink
+                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata
+                                  .Arg<ffi::AnyBuffer>()  // num_splits
+                                  .Arg<ffi::AnyBuffer>()  // extra_kv_cache
+                                  .Arg<ffi::AnyBuffer>()  // extra_indices
+                                  .Arg<ffi::AnyBuffer>()  // extra_topk_length
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Ret<ffi::AnyBuffer>()  // o_accum
+                                  .Ret<ffi::AnyBuffer>()  // lse_accum
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int64_t>("kv_format")
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("has_extra")
+                                  .Attr<int64_t>("extra_kv_format")
+                                  .Attr<int64_t>("extra_block_size"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaPrefill, PrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // kv
+                                  .Arg<ffi::AnyBuffer>()  // indices
+                                  .Arg<ffi::AnyBuffer>()  // topk_length
+                                  .Arg<ffi::AnyBuffer>()  // attn_sink
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // max_logits
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("softmax_scale"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Version probe for the Python loader (bumped whenever an FFI signature changes).
+extern "C" int dsv41_cuda_abi_version() { return 1; }

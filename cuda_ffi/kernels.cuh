@@ -1,0 +1,618 @@
+// dsv41 sparse MLA kernels: the bodies of the decode, combine and prefill CTAs.
+//
+// Written against prims.cuh only, so the same code builds for sm_90a / sm_100a (decode.cu,
+// prefill.cu) and for the host emulator (emu_main.cc).
+//
+// ---------------------------------------------------------------------------------------------
+// Attention CTA (decode and prefill share it): 64 query heads x one query token, 384 threads.
+//   warps 0..7  consumers (tensor cores, mma.sync m16n8k16 bf16 -> f32)
+//   warps 8..11 producers (gather 64 selected KV rows per tile, dequantize fp8 -> bf16)
+// setmaxnreg gives the consumer warpgroups 200 registers and the producer warpgroup 104.
+// Shared memory (params.h, 214544 B): Q bf16 [64 heads][512], K/V bf16 [2 buffers][64 tokens]
+// [512], P as two bf16 [64 heads][64 tokens] halves (P_hi + P_lo), small f32 exchange arrays,
+// and per buffer a 64-bit validity mask (16 bits per producer warp). Rows of Q and K/V are 1024 B = 64 chunks of 16 B; chunk c of row r lives at chunk
+// c ^ (r & 7) (rows of P: 8 chunks, same XOR), so the 8 row addresses of every ldmatrix hit
+// 8 different 16-byte bank groups.
+//
+// Per tile (64 tokens), consumer warp w:
+//   QK^T  rows 16*(w&3)..+16, tokens 32*(w>>2)..+32, all 512 dims: S[16x32] in registers.
+//         S := scale*log2(e) * S, and -inf where the token is masked.
+//   row max of the two token halves exchanged through smem (barrier B1), then with the running
+//   max M (log2 domain) and base = (M_new == -inf ? 0 : M_new): alpha = 2^(M_old - base),
+//   P = 2^(S - base), partial row sums l = l*alpha + sum(P); P = P_hi + P_lo (two bf16
+//   halves) and alpha to smem (B2).
+//   PV    O[64 heads][dims 64w..64w+63] = alpha * O + (P_lo + P_hi)[64x64] * V[64 tokens x 64 dims]
+//         (P via ldmatrix, V via ldmatrix.trans from the same K tile: K = V = the latent).
+// Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive,
+// consumers sync) and EMPTY[b] (consumers arrive, producers sync); consumer-only exchanges use
+// one 256-thread barrier. Every barrier is executed by every lane of its warps and both roles
+// walk the same tile sequence, so the counts always balance (producers drain the last EMPTYs).
+//
+// Fragment layouts (mma.sync m16n8k16, ldmatrix) are written down in prims.cuh.
+// Decode walks the split plan of dsv41_jax.scheduler.plan_decode_splits (see decode_work);
+// prefill has one segment per CTA. Epilogues: final (bf16 out with the sink, natural-log lse)
+// or split (f32 O/L and log2-domain lse into the accumulators, merged by combine_cta).
+//
+// Masking: a token is valid iff its position < length (already clamped to [0, topk]) and its
+// index is in [0, capacity). Invalid tokens are never read: producers write zero rows and a
+// 0 bit in the mask, consumers set their scores to -inf. So NaN in unused cache slots never
+// reaches a product.
+// ---------------------------------------------------------------------------------------------
+#pragma once
+
+#include "params.h"
+#include "prims.cuh"
+
+namespace dsv41 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+enum : int { kBarFull0 = 1, kBarEmpty0 = 3, kBarConsumers = 5 };  // FULL b = 1 + b, EMPTY b = 3 + b
+constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
+
+DEVFN int swz1024(int row, int chunk) { return row * 1024 + ((chunk ^ (row & 7)) << 4); }
+DEVFN int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > topk ? topk : len); }
+
+// ============================================================================== producer
+// 16 fp8 (one 16-byte chunk) * 2^(e-127) -> 16 bf16 in two 16-byte chunks.
+DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& second) {
+  // UE8M0 scale 2^(byte-127), built exactly (byte 0 -> 2^-127, a float subnormal).
+  const float scale = e8m0 ? bits_f32(e8m0 << 23) : bits_f32(0x00400000u);
+  const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = e4m3x2_to_f32x2(wv[i] & 0xffffu);  // elements 4i, 4i+1
+    const float2 b = e4m3x2_to_f32x2(wv[i] >> 16);      // elements 4i+2, 4i+3
+    o[2 * i] = pack_bf16x2(a.x * scale, a.y * scale);
+    o[2 * i + 1] = pack_bf16x2(b.x * scale, b.y * scale);
+  }
+  first = make_u4(o[0], o[1], o[2], o[3]);
+  second = make_u4(o[4], o[5], o[6], o[7]);
+}
+
+// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of K buffer `buf` with the tokens at
+// positions tok0 + 16*pw + j (j < 16) of indices row `row` of `pool`, and its 16 bits of the
+// validity mask. Lane l (both half-warps compute the addresses of token l & 15) owns dims
+// 16l..16l+15 of every row: for fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those dims
+// (scale byte l/4: one UE8M0 per 64 dims), lanes 28..31 the 32 bytes of their bf16 RoPE dims;
+// for bf16 every lane reads its 32 bytes. Tokens go in two batches of 8 (8 x 32 B in flight per
+// lane) and are written as two 16-byte chunks per lane.
+DEVFN void produce_tile(char* smem, int buf, const Pool& pool, int64_t row, int len, int tok0, int pw,
+                        int lane) {
+  const int pos = tok0 + 16 * pw + (lane & 15);
+  int32_t idx = -1;
+  if (pos < len) idx = ldg_nc_s32(pool.indices + row * (int64_t)pool.topk + pos);
+  const bool valid = pos < len && idx >= 0 && (int64_t)idx < pool.capacity;
+  const bool fp8 = pool.fmt == kFmtFp8DsMla;  // warp-uniform
+  int64_t doff = 0, soff = 0;
+  if (valid) {
+    if (fp8) {
+      const int64_t blk = (int64_t)idx / pool.block_size;
+      const int64_t off = (int64_t)idx - blk * pool.block_size;
+      doff = blk * pool.page_bytes + off * kFp8TokenData;
+      soff = blk * pool.page_bytes + (int64_t)pool.block_size * kFp8TokenData + off * kFp8TokenScale;
+    } else {
+      doff = (int64_t)idx * (kHeadDim * 2);
+    }
+  }
+  const uint32_t vmask = ballot(valid) & 0xffffu;
+  if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)vmask;
+  char* kbuf = smem + kSmemK + buf * (kTileTokens * kHeadDim * 2);
+  const uint8_t* base = pool.base;
+  // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
+  const bool swap = (lane >> 2) & 1;
+#pragma unroll 1
+  for (int jb = 0; jb < 16; jb += 8) {
+    uint4 lo[8], hi[8];
+    uint32_t sc[8];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = jb + jj;
+      const int64_t d = shfl_idx_i64(doff, j);
+      const int64_t s = fp8 ? shfl_idx_i64(soff, j) : 0;
+      lo[jj] = make_u4(0, 0, 0, 0);
+      hi[jj] = make_u4(0, 0, 0, 0);
+      sc[jj] = 0;
+      if ((vmask >> j) & 1u) {  // warp-uniform
+        if (fp8) {
+          if (lane < 28) {
+            lo[jj] = ldg_nc_v4(base + d + 16 * lane);
+            sc[jj] = ldg_nc_u8(base + s + (lane >> 2));
+          } else {
+            const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
+            lo[jj] = ldg_nc_v4(rp);
+            hi[jj] = ldg_nc_v4(rp + 16);
+          }
+        } else {
+          lo[jj] = ldg_nc_v4(base + d + 32 * lane);
+          hi[jj] = ldg_nc_v4(base + d + 32 * lane + 16);
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int r = 16 * pw + jb + jj;
+      uint4 first = lo[jj], second = hi[jj];
+      if (fp8 && lane < 28) dequant16(lo[jj], sc[jj], first, second);
+      *reinterpret_cast<uint4*>(kbuf + swz1024(r, 2 * lane + (swap ? 1 : 0))) = swap ? second : first;
+      *reinterpret_cast<uint4*>(kbuf + swz1024(r, 2 * lane + (swap ? 0 : 1))) = swap ? first : second;
+    }
+  }
+  // No fence: bar.arrive orders these shared-memory stores before the consumers' bar.sync
+  // returns (the PTX ISA's own producer/consumer example: st.shared; bar.arrive / bar.sync; ld.shared).
+}
+
+// ============================================================================== consumers
+struct Acc {
+  float o[4][8][4];  // PV role: O[16*mt + (g | g+8)][64w + 8n + 2t + (0|1)]
+  float m[2];        // QK role: running max (log2 domain) of rows r0 = 16*(w&3) + g, r1 = r0 + 8
+  float l[2];        // QK role: this thread's partial row sums (its 8 columns of each tile)
+};
+
+DEVFN void acc_reset(Acc& a) {
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a.o[mt][n][e] = 0.f;
+  a.m[0] = a.m[1] = -finf();
+  a.l[0] = a.l[1] = 0.f;
+}
+
+// Q rows of one (query token, 64-head group): 64 x 512 bf16 from global into swizzled smem.
+// Called by all 256 consumer threads; ends with the consumer barrier.
+DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
+#pragma unroll
+  for (int i0 = 0; i0 < 16; i0 += 8) {
+    uint4 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = ct + kConsumerThreads * (i0 + i);
+      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = ct + kConsumerThreads * (i0 + i);
+      *reinterpret_cast<uint4*>(smem + kSmemQ + swz1024(c >> 6, c & 63)) = v[i];
+    }
+  }
+  bar_sync(kBarConsumers, kConsumerThreads);
+}
+
+DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int rq = w & 3, th = w >> 2;
+  const char* qs = smem + kSmemQ;
+  const char* ks = smem + kSmemK + buf * (kTileTokens * kHeadDim * 2);
+  char* ps = smem + kSmemP;
+  float* rmax = reinterpret_cast<float*>(smem + kSmemRowMax);
+  float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
+
+  // ---- S = Q K^T for rows 16rq..+16 and tokens 32th..+32 (n-tiles j = 0..3 of 8 tokens)
+  float s[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  // A (Q) via ldmatrix.x4: lanes 0-7 rows 0-7 / k 0-7, 8-15 rows 8-15 / k 0-7, 16-23 rows 0-7 /
+  // k 8-15, 24-31 rows 8-15 / k 8-15 -> a[0..3] in mma order.
+  const int a_row = 16 * rq + (lane & 15);
+  const int a_chunk = lane >> 4;
+  // B (K rows) via ldmatrix.x4, two n-tiles per load: matrix i = lane/8 covers tokens
+  // 8*(i/2) + 0..7 (relative) and dims chunk 2kk + (i&1) -> {b_lo, b_hi} of n-tile 2jp and 2jp+1.
+  const int b_tok = 32 * th + (lane & 7) + ((lane >> 4) << 3);
+  const int b_chunk = (lane >> 3) & 1;
+#pragma unroll 4
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a[4], b0[4], b1[4];
+    ldsm_x4(a, qs + swz1024(a_row, 2 * kk + a_chunk));
+    ldsm_x4(b0, ks + swz1024(b_tok, 2 * kk + b_chunk));
+    ldsm_x4(b1, ks + swz1024(b_tok + 16, 2 * kk + b_chunk));
+    mma_bf16_16816(s[0], a, b0[0], b0[1]);
+    mma_bf16_16816(s[1], a, b0[2], b0[3]);
+    mma_bf16_16816(s[2], a, b1[0], b1[1]);
+    mma_bf16_16816(s[3], a, b1[2], b1[3]);
+  }
+
+  // ---- mask + scale; s[j][e] is row r0 (e<2) / r1 (e>=2), token 32th + 8j + 2t + (e&1)
+  // tokens 32th..32th+31: the 16-bit masks of producer warps 2th (low) and 2th+1 (high)
+  const uint32_t vm = reinterpret_cast<const uint32_t*>(smem + kSmemValid)[buf * 2 + th];
+  const float ninf = -finf();
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int bit = 8 * j + 2 * t + (e & 1);
+      s[j][e] = ((vm >> bit) & 1u) ? s[j][e] * scale_log2 : ninf;
+    }
+  float mx[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float v = ninf;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v = fmaxf(v, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
+    v = fmaxf(v, shfl_xor_f32(v, 1));
+    v = fmaxf(v, shfl_xor_f32(v, 2));
+    mx[hr] = v;
+  }
+  const int r0 = 16 * rq + g;
+  if (t == 0) {
+    rmax[th * 64 + r0] = mx[0];
+    rmax[th * 64 + r0 + 8] = mx[1];
+  }
+  bar_sync(kBarConsumers, kConsumerThreads);  // B1
+
+  // ---- online softmax (exp2 domain); both warps of a row block compute identical M
+  float alpha[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r0 + 8 * hr;
+    const float mt = fmaxf(rmax[r], rmax[64 + r]);
+    const float mnew = fmaxf(acc.m[hr], mt);
+    const float base = (mnew == ninf) ? 0.f : mnew;  // keeps (-inf) - (-inf) out
+    alpha[hr] = fexp2(acc.m[hr] - base);             // 0 while nothing was valid
+    acc.m[hr] = mnew;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p0 = fexp2(s[j][2 * hr] - base);     // 2^-inf = 0 for masked tokens
+      const float p1 = fexp2(s[j][2 * hr + 1] - base);
+      s[j][2 * hr] = p0;
+      s[j][2 * hr + 1] = p1;
+      sum += p0 + p1;
+    }
+    acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
+  }
+  // P = P_hi + P_lo, both bf16 (P_lo = bf16(P - P_hi)): ~16 significant bits. bf16 P alone
+  // (8 bits) misses FlashMLA's output tolerance when |V| is large (see cuda_notes.md).
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const uint32_t hi = pack_bf16x2(s[j][2 * hr], s[j][2 * hr + 1]);
+      const uint32_t lo = pack_bf16x2(s[j][2 * hr] - bf16_lo(hi), s[j][2 * hr + 1] - bf16_hi(hi));
+      const int off = swz128(r0 + 8 * hr, 4 * th + j) + 4 * t;
+      *reinterpret_cast<uint32_t*>(ps + off) = hi;
+      *reinterpret_cast<uint32_t*>(ps + kSmemPBytes + off) = lo;
+    }
+  if (th == 0 && t == 0) {
+    alpha_s[r0] = alpha[0];
+    alpha_s[r0 + 8] = alpha[1];
+  }
+  bar_sync(kBarConsumers, kConsumerThreads);  // B2
+
+  // ---- O = alpha * O + P V for dims 64w..64w+63 and all 64 heads
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+    const float alo = alpha_s[16 * mt + g], ahi = alpha_s[16 * mt + g + 8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      acc.o[mt][n][0] *= alo;
+      acc.o[mt][n][1] *= alo;
+      acc.o[mt][n][2] *= ahi;
+      acc.o[mt][n][3] *= ahi;
+    }
+  }
+  // V via ldmatrix.x4.trans: matrix i = lane/8 covers tokens 16kk + 8*(i&1) + 0..7 and dims chunk
+  // 8w + 2np + (i>>1) -> {b_lo, b_hi} of n-tile 2np, then of n-tile 2np+1.
+  const int v_tok = (lane & 7) + (((lane >> 3) & 1) << 3);
+  const int v_chunk = 8 * w + (lane >> 4);
+#pragma unroll
+  for (int kk = 0; kk < kTileTokens / 16; ++kk) {
+    uint32_t ph[4][4], pl[4][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      const int off = swz128(16 * mt + (lane & 15), 2 * kk + (lane >> 4));
+      ldsm_x4(ph[mt], ps + off);
+      ldsm_x4(pl[mt], ps + kSmemPBytes + off);
+    }
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t vb[4];
+      ldsm_x4_trans(vb, ks + swz1024(16 * kk + v_tok, v_chunk + 2 * np));
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        mma_bf16_16816(acc.o[mt][2 * np], pl[mt], vb[0], vb[1]);
+        mma_bf16_16816(acc.o[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+        mma_bf16_16816(acc.o[mt][2 * np], ph[mt], vb[0], vb[1]);
+        mma_bf16_16816(acc.o[mt][2 * np + 1], ph[mt], vb[2], vb[3]);
+      }
+    }
+  }
+  // Every ldmatrix of this buffer has delivered its registers to an mma issued above, so the
+  // buffer may be refilled once all consumers arrived.
+  bar_arrive(kBarEmpty0 + buf, kThreads);
+}
+
+// Row statistics of the finished segment to smem; returns after the consumer barrier (B3).
+DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
+  const int g = lane >> 2, t = lane & 3, rq = w & 3, th = w >> 2;
+  float* lsum = reinterpret_cast<float*>(smem + kSmemLsum);
+  float* mfin = reinterpret_cast<float*>(smem + kSmemMfin);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float l = acc.l[hr];
+    l += shfl_xor_f32(l, 1);
+    l += shfl_xor_f32(l, 2);
+    const int r = 16 * rq + g + 8 * hr;
+    if (t == 0) {
+      lsum[th * 64 + r] = l;
+      if (th == 0) mfin[r] = acc.m[hr];
+    }
+  }
+  bar_sync(kBarConsumers, kConsumerThreads);  // B3
+}
+
+// Final epilogue: out bf16 = O / L / (1 + 2^(sink*log2e - lse2)); lse natural (+inf if empty);
+// optional max_logits (natural, -inf if empty). `orow0` points at head 0 of this CTA's group.
+DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
+                       float* maxl0, const float* sink0) {
+  const int g = lane >> 2, t = lane & 3;
+  const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
+  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 16 * mt + g + 8 * hr;
+      const float L = lsum[r] + lsum[64 + r];
+      const float M = mfin[r];
+      float factor = 0.f, lse_nat = finf(), maxl = -finf();
+      if (L > 0.f) {
+        const float lse2 = M + flog2(L);
+        const float sink2 = ldg_nc_f32(sink0 + r) * kLog2e;  // +-inf stay +-inf
+        factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));   // sink=+inf -> 1/inf = 0
+        lse_nat = lse2 * kLn2;
+        maxl = M * kLn2;
+      }
+      uint16_t* orow = orow0 + (int64_t)r * kHeadDim + 64 * w + 2 * t;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+        *reinterpret_cast<uint32_t*>(orow + 8 * n) =
+            pack_bf16x2(acc.o[mt][n][2 * hr] * factor, acc.o[mt][n][2 * hr + 1] * factor);
+      if (w == 0 && t == 0) {
+        lse0[r] = lse_nat;
+        if (maxl0) maxl0[r] = maxl;
+      }
+    }
+}
+
+// Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty).
+DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float* arow0, float* alse0) {
+  const int g = lane >> 2, t = lane & 3;
+  const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
+  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 16 * mt + g + 8 * hr;
+      const float L = lsum[r] + lsum[64 + r];
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      float* arow = arow0 + (int64_t)r * kHeadDim + 64 * w + 2 * t;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        float2 v;
+        v.x = acc.o[mt][n][2 * hr] * inv;
+        v.y = acc.o[mt][n][2 * hr + 1] * inv;
+        *reinterpret_cast<float2*>(arow + 8 * n) = v;
+      }
+      if (w == 0 && t == 0) alse0[r] = L > 0.f ? mfin[r] + flog2(L) : -finf();
+    }
+}
+
+// ============================================================================== decode
+// The CTA's share of the split plan (flashmla.md section 3): requests begin_req..end_req;
+// blocks [begin_blk, ...) of the first and [..., end_blk) of the last. A request's blocks are
+// its main-cache blocks (nmain = ceil(max(len, 1) / 64)), then its extra-cache blocks
+// (ceil(extra_len / 64)), exactly as plan_decode_splits counts them.
+struct DecodeWork {
+  int begin_req, end_req, begin_blk, end_blk, begin_split;
+};
+
+DEVFN DecodeWork decode_work(const DecodeParams& p, int part) {
+  const int32_t* m = p.sched + (int64_t)part * 8;
+  DecodeWork wk;
+  wk.begin_req = ldg_nc_s32(m + 0);
+  wk.end_req = ldg_nc_s32(m + 1);
+  wk.begin_blk = ldg_nc_s32(m + 2);
+  wk.end_blk = ldg_nc_s32(m + 3);
+  wk.begin_split = ldg_nc_s32(m + 4);
+  if (wk.begin_req < 0) wk.begin_req = 0;
+  if (wk.end_req > p.b - 1) wk.end_req = p.b - 1;
+  return wk;
+}
+
+struct DecodeSeg {
+  int blk0, blk1, nmain, len_main, len_extra;
+};
+
+DEVFN DecodeSeg decode_segment(const DecodeParams& p, const DecodeWork& wk, int req) {
+  DecodeSeg sg;
+  sg.len_main = clamp_len(ldg_nc_s32(p.main.lengths + req), p.main.topk);
+  sg.len_extra = p.has_extra ? clamp_len(ldg_nc_s32(p.extra.lengths + req), p.extra.topk) : 0;
+  const int lm = sg.len_main > 0 ? sg.len_main : 1;
+  sg.nmain = (lm + kTileTokens - 1) / kTileTokens;
+  const int nblk = sg.nmain + (sg.len_extra + kTileTokens - 1) / kTileTokens;
+  sg.blk0 = req == wk.begin_req ? wk.begin_blk : 0;
+  sg.blk1 = req == wk.end_req ? wk.end_blk : nblk;
+  if (sg.blk0 < 0) sg.blk0 = 0;
+  return sg;
+}
+
+DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, int s, int pw, int lane) {
+  int tc = 0;  // tiles produced by this CTA (all requests): buffer tc & 1
+  for (int req = wk.begin_req; req <= wk.end_req; ++req) {
+    const DecodeSeg sg = decode_segment(p, wk, req);
+    const int64_t row = (int64_t)req * p.s_q + s;
+    for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
+      const int buf = tc & 1;
+      if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // consumers released tile tc - 2
+      if (!p.has_extra || blk < sg.nmain)
+        produce_tile(smem, buf, p.main, row, sg.len_main, blk * kTileTokens, pw, lane);
+      else
+        produce_tile(smem, buf, p.extra, row, sg.len_extra, (blk - sg.nmain) * kTileTokens, pw, lane);
+      bar_arrive(kBarFull0 + buf, kThreads);
+    }
+  }
+  // Drain: consume the consumers' EMPTY arrivals of the last two tiles so every barrier phase
+  // completes before the CTA exits.
+  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+}
+
+DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, int group, int s, int w,
+                            int lane) {
+  Acc acc;
+  int tc = 0;
+  const int ct = thread_idx();
+  for (int req = wk.begin_req; req <= wk.end_req; ++req) {
+    const DecodeSeg sg = decode_segment(p, wk, req);
+    if (sg.blk0 >= sg.blk1) continue;  // (never for a valid plan; producers skip it too)
+    const int64_t row = (int64_t)req * p.s_q + s;
+    const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
+    load_q(smem, p.q + head_row * kHeadDim, ct);
+    acc_reset(acc);
+    for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
+      const int buf = tc & 1;
+      bar_sync(kBarFull0 + buf, kThreads);
+      consume_tile(smem, buf, acc, p.scale_log2, w, lane);
+    }
+    publish_row_stats(smem, acc, w, lane);
+    const int first = ldg_nc_s32(p.num_splits + req);
+    const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+    if (pieces <= 1) {
+      write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
+                  p.sink + (int64_t)group * kHeadsPerCta);
+    } else {
+      const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
+      const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
+      write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
+    }
+  }
+}
+
+// Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together).
+DEVFN void decode_cta(const DecodeParams& p, char* smem) {
+  const int64_t bid = block_idx();
+  const int group = (int)(bid % p.num_groups);
+  const int64_t rest = bid / p.num_groups;
+  const int s = (int)(rest % p.s_q);
+  const int part = (int)(rest / p.s_q);
+  const DecodeWork wk = decode_work(p, part);
+  const int w = warp_idx(), lane = lane_idx();
+  if (w >= kConsumerWarps) {
+    setmaxnreg_dec<kProducerRegs>();
+    decode_producers(p, wk, smem, s, w - kConsumerWarps, lane);
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    decode_consumers(p, wk, smem, group, s, w, lane);
+  }
+}
+
+// ============================================================================== combine
+// One warp per (request, query token, head) of requests with more than one piece:
+// m = max lse2_i; S = sum 2^(lse2_i - m); g = m + log2 S; lse = g ln2;
+// out = sum_i 2^(lse2_i - g) O_i / (1 + 2^(sink log2e - g)). All pieces empty -> 0, +inf.
+DEVFN void combine_cta(const DecodeParams& p) {
+  const int hgroups = p.h_pad / 8;
+  const int64_t bid = block_idx();
+  const int hg = (int)(bid % hgroups);
+  const int64_t rest = bid / hgroups;
+  const int s = (int)(rest % p.s_q);
+  const int req = (int)(rest / p.s_q);
+  const int first = p.num_splits[req];
+  const int n = p.num_splits[req + 1] - first;
+  if (n <= 1) return;
+  const int head = hg * 8 + warp_idx();
+  const int lane = lane_idx();
+  const int64_t stride = (int64_t)p.s_q * p.h_pad;  // between consecutive slots
+  const float* la = p.lse_accum + ((int64_t)first * p.s_q + s) * p.h_pad + head;
+  const int64_t orow = (((int64_t)req * p.s_q + s) * p.h_pad + head);
+  uint16_t* out = p.out + orow * kHeadDim;
+  float m = -finf();
+  for (int i = 0; i < n; ++i) m = fmaxf(m, la[i * stride]);
+  if (m == -finf()) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t* o = reinterpret_cast<uint32_t*>(out + 4 * lane + 128 * j);
+      o[0] = 0u;
+      o[1] = 0u;
+    }
+    if (lane == 0) p.lse[orow] = finf();
+    return;
+  }
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) sum += fexp2(la[i * stride] - m);
+  const float gl = m + flog2(sum);
+  const float sink2 = p.sink[head] * kLog2e;
+  const float factor = 1.f / (1.f + fexp2(sink2 - gl));
+  float acc[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  const float* oa = p.o_accum + (((int64_t)first * p.s_q + s) * p.h_pad + head) * kHeadDim + 4 * lane;
+  for (int i = 0; i < n; ++i) {
+    const float wgt = fexp2(la[i * stride] - gl) * factor;  // lse2 = -inf -> 0
+    const float* src = oa + i * stride * kHeadDim;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(src + 128 * j);
+      acc[j][0] += wgt * v.x;
+      acc[j][1] += wgt * v.y;
+      acc[j][2] += wgt * v.z;
+      acc[j][3] += wgt * v.w;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t* o = reinterpret_cast<uint32_t*>(out + 4 * lane + 128 * j);
+    o[0] = pack_bf16x2(acc[j][0], acc[j][1]);
+    o[1] = pack_bf16x2(acc[j][2], acc[j][3]);
+  }
+  if (lane == 0) p.lse[orow] = gl * kLn2;
+}
+
+// ============================================================================== prefill
+// One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
+// query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
+// max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
+DEVFN void prefill_cta(const PrefillParams& p, char* smem) {
+  const int64_t bid = block_idx();
+  const int group = (int)(bid % p.num_groups);
+  const int64_t s = bid / p.num_groups;
+  const int w = warp_idx(), lane = lane_idx();
+  const int len = clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk);
+  const int ntiles = (len + kTileTokens - 1) / kTileTokens;
+  if (w >= kConsumerWarps) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int pw = w - kConsumerWarps;
+    for (int tc = 0; tc < ntiles; ++tc) {
+      const int buf = tc & 1;
+      if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);
+      produce_tile(smem, buf, p.kv, s, len, tc * kTileTokens, pw, lane);
+      bar_arrive(kBarFull0 + buf, kThreads);
+    }
+    for (int i = ntiles - 2 < 0 ? 0 : ntiles - 2; i < ntiles; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    Acc acc;
+    const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
+    if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
+    acc_reset(acc);
+    for (int tc = 0; tc < ntiles; ++tc) {
+      const int buf = tc & 1;
+      bar_sync(kBarFull0 + buf, kThreads);
+      consume_tile(smem, buf, acc, p.scale_log2, w, lane);
+    }
+    publish_row_stats(smem, acc, w, lane);
+    write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
+                p.sink + (int64_t)group * kHeadsPerCta);
+  }
+}
+
+}  // namespace dsv41

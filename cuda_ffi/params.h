@@ -1,0 +1,76 @@
+// Parameter records of the dsv41 sparse MLA kernels (plain C structs: shared by the FFI
+// handlers, the device launchers and the host emulator).
+#pragma once
+
+#include <stdint.h>
+
+namespace dsv41 {
+
+constexpr int kHeadDim = 512;       // latent: 448 NoPE + 64 RoPE; V = the full latent
+constexpr int kHeadsPerCta = 64;    // heads of one CTA (the JAX wrapper pads h_q to a multiple)
+constexpr int kTileTokens = 64;     // tokens of one K/V tile (and one split-plan block)
+constexpr int kConsumerWarps = 8;
+constexpr int kProducerWarps = 4;  // one warpgroup: setmaxnreg needs whole warpgroups
+constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
+constexpr int kProducerRegs = 104;  // setmaxnreg: 2 x 200 + 104 = 504 <= 512 registers per lane slot
+constexpr int kConsumerRegs = 200;
+constexpr int kCombineThreads = 256;                              // 8 warps, one head each
+
+enum KvFormat : int32_t { kFmtBf16 = 0, kFmtFp8DsMla = 1 };
+
+constexpr int kFp8TokenData = 576;  // 448 e4m3 + 64 bf16
+constexpr int kFp8TokenScale = 8;   // 7 UE8M0 + 1 pad
+
+// One token pool read by global slot `block * block_size + offset`.
+struct Pool {
+  const uint8_t* base;     // cache bytes (bf16 [nb, P, 512] or uint8 [nb, page_bytes])
+  int64_t page_bytes;      // bytes per page
+  int64_t capacity;        // slots: num_blocks * block_size (bf16 prefill: s_kv)
+  const int32_t* indices;  // int32 [rows, topk] (decode rows = b * s_q)
+  const int32_t* lengths;  // int32 [b] (decode, per request) or [s_q] (prefill), already in [0, topk]
+  int32_t block_size;
+  int32_t fmt;             // KvFormat
+  int32_t topk;            // row length of `indices`
+  int32_t pad_;
+};
+
+struct DecodeParams {
+  const uint16_t* q;         // bf16 [b, s_q, h_pad, 512]
+  const float* sink;         // f32 [h_pad], natural log; -inf = no sink
+  const int32_t* sched;      // int32 [num_parts, 8] (dsv41_jax.scheduler.plan_decode_splits)
+  const int32_t* num_splits; // int32 [b + 1]
+  uint16_t* out;             // bf16 [b, s_q, h_pad, 512]
+  float* lse;                // f32 [b, s_q, h_pad]
+  float* o_accum;            // f32 [b + num_parts, s_q, h_pad, 512]
+  float* lse_accum;          // f32 [b + num_parts, s_q, h_pad] (log2 domain)
+  Pool main;
+  Pool extra;
+  float scale_log2;          // softmax_scale * log2(e)
+  int32_t b, s_q, h_pad, num_groups, num_parts, has_extra;
+};
+
+struct PrefillParams {
+  const uint16_t* q;   // bf16 [s_q, h_pad, 512]
+  const float* sink;   // f32 [h_pad]
+  uint16_t* out;       // bf16 [s_q, h_pad, 512]
+  float* max_logits;   // f32 [s_q, h_pad]
+  float* lse;          // f32 [s_q, h_pad]
+  Pool kv;             // bf16 rows: capacity = s_kv, lengths per query token
+  float scale_log2;
+  int32_t s_q, h_pad, num_groups;
+};
+
+// Shared-memory map of the attention CTA (bytes).
+constexpr int kSmemQ = 0;                                    // bf16 [64][512], swizzled
+constexpr int kSmemK = kSmemQ + kHeadsPerCta * kHeadDim * 2;  // bf16 [2][64][512], swizzled
+constexpr int kSmemP = kSmemK + 2 * kTileTokens * kHeadDim * 2;  // bf16 [hi, lo][64][64], swizzled
+constexpr int kSmemPBytes = kHeadsPerCta * kTileTokens * 2;         // one of P_hi / P_lo
+constexpr int kSmemRowMax = kSmemP + 2 * kSmemPBytes;                // f32 [2][64]
+constexpr int kSmemAlpha = kSmemRowMax + 2 * 64 * 4;                 // f32 [64]
+constexpr int kSmemLsum = kSmemAlpha + 64 * 4;                       // f32 [2][64]
+constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                    // f32 [64]
+constexpr int kSmemValid = kSmemMfin + 64 * 4;                       // u16 [2 buffers][4 producer warps]
+constexpr int kSmemBytes = kSmemValid + 16;                          // 214544 B
+static_assert(kSmemBytes <= 227 * 1024, "attention CTA shared memory exceeds the sm_90 limit");
+
+}  // namespace dsv41

@@ -1,0 +1,31 @@
+"""One cuda decode (fp8 main + extra cache, split plan) and one prefill at modest shapes, for
+`compute-sanitizer --tool memcheck python -m cuda_ffi.sanitize_case` (benchmarks/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+import dsv41_jax as d
+from tests.attention_cases import assert_close, make_decode_case, make_prefill_case
+
+
+def main() -> int:
+    dec = make_decode_case(5, b=6, s_q=2, h_q=64, topk=256, block_size=61, s_kv=600, fmt="fp8_ds_mla",
+                           extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla"))
+    out, lse = jax.block_until_ready(d.sparse_mla_decode(*dec.args(), **dec.kwargs(), impl="cuda"))
+    e_out, e_lse = dec.expected()
+    assert_close(out, e_out, "decode_out", "sanitizer decode")
+    assert_close(lse, e_lse, "decode_lse", "sanitizer decode")
+    pre = make_prefill_case(6, s_q=9, h_q=64, topk=256, s_kv=300)
+    res = jax.block_until_ready(d.sparse_mla_prefill(*pre.args(), **pre.kwargs(), impl="cuda"))
+    for got, want, kind in zip(res, pre.expected(), ("prefill_out", "prefill_max_logits", "prefill_lse")):
+        assert_close(got, want, kind, "sanitizer prefill")
+    print("sanitize_case: decode and prefill ran and matched the oracle", np.asarray(out).shape)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

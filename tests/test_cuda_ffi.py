@@ -1,0 +1,277 @@
+"""CPU tests of the `impl="cuda"` path (cuda_ffi/).
+
+1. Build: the CUDA library with nvcc + cmake (module fixture; skipped with the reason when a tool
+   is missing), its exported handler symbols, and that it loads on a machine without a GPU.
+2. Lowering: `sparse_mla_decode` / `sparse_mla_prefill` with impl="cuda" traced and lowered for
+   the CUDA platform on CPU; the custom-call targets appear in the module text. Bad arguments
+   raise clear errors at trace time.
+3. The kernels themselves, on the CPU: `libdsv41_emu.so` compiles cuda_ffi/kernels.cuh for the
+   host (every CUDA thread a fiber; ldmatrix / mma.sync / shfl / named barriers emulated with
+   their PTX semantics; random interleavings) behind the same argument checks as the FFI
+   handlers. Decode and prefill cases of the shared grid (plus split-heavy, multi-group and
+   multi-request shapes) are compared with the float64 oracle under FlashMLA's tolerances, and
+   two runs under different thread interleavings must agree bitwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cuda_ffi
+from cuda_ffi import build as cbuild
+from dsv41_jax import sparse_mla_decode, sparse_mla_prefill
+from dsv41_jax.attention import DecodeCall, PrefillCall, _make_decode_call, _make_prefill_call
+from tests.attention_cases import (
+    DECODE_GRID,
+    PREFILL_GRID,
+    assert_close,
+    make_decode_case,
+    make_prefill_case,
+)
+
+
+# ------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def cuda_lib():
+    missing = [name for name, tool in (("nvcc", cbuild.find_nvcc()), ("cmake", cbuild.find_cmake())) if tool is None]
+    if missing:
+        pytest.skip(f"cannot build the CUDA library here: {', '.join(missing)} not found")
+    path = cbuild.build_library(archs="90a;100a")
+    assert cuda_ffi.refresh(), "library built but cuda_ffi does not see it"
+    return path
+
+
+@pytest.fixture(scope="module")
+def emu():
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    from cuda_ffi import emulate
+
+    path = cbuild.build_emulator()
+    return emulate.load(path)
+
+
+def _decode_call(case) -> DecodeCall:
+    kw = case.kwargs()
+    return _make_decode_call(case.q, case.kv_cache, case.indices, case.topk_length, kw["kv_format"],
+                             kw["block_size"], kw["softmax_scale"], kw["attn_sink"], kw.get("extra_kv_cache"),
+                             kw.get("extra_indices"), kw.get("extra_topk_length"), kw.get("extra_kv_format"),
+                             kw.get("extra_block_size"))
+
+
+def _prefill_call(case) -> PrefillCall:
+    return _make_prefill_call(case.q, case.kv, case.indices, case.softmax_scale, case.attn_sink, case.topk_length)
+
+
+# ------------------------------------------------------------------------------ build + load
+def test_library_builds_and_exports_handlers(cuda_lib):
+    lib = ctypes.CDLL(str(cuda_lib))
+    for sym in ("Dsv41SparseMlaDecode", "Dsv41SparseMlaPrefill", "dsv41_cuda_abi_version"):
+        assert hasattr(lib, sym), f"{cuda_lib} does not export {sym}"
+    lib.dsv41_cuda_abi_version.restype = ctypes.c_int
+    assert lib.dsv41_cuda_abi_version() == cuda_ffi.ABI_VERSION
+    assert cuda_ffi.load_library() is not None
+    report = (cuda_lib.parent / "ptxas_report.txt").read_text()
+    for kernel in ("dsv41_decode_kernel", "dsv41_combine_kernel", "dsv41_prefill_kernel"):
+        for arch in ("sm_90a", "sm_100a"):
+            assert any(kernel in line and arch in line for line in report.splitlines()), (kernel, arch, report)
+
+
+def test_registration_and_availability_on_cpu(cuda_lib):
+    from dsv41_jax.attention import decode_impls, prefill_impls
+
+    assert "cuda" in decode_impls() and "cuda" in prefill_impls()
+    cuda_ffi.ensure_registered()  # registering FFI targets for CUDA works on a CPU-only jax
+    if jax.default_backend() != "gpu":
+        why = cuda_ffi.backend_unavailable_reason()
+        assert why is not None and "gpu" in why
+
+
+def test_supports_rejects_unreadable_formats():
+    case = make_decode_case(3, fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=4)
+    why = cuda_ffi.decode_supports(_decode_call(case))
+    assert why is not None and "mxfp8_ds_mla" in why
+    assert cuda_ffi.decode_supports(_decode_call(make_decode_case(3, fmt="bf16", topk=64, h_q=4))) is None
+
+
+# ------------------------------------------------------------------------------ lowering
+def _lower_decode(case):
+    kw = case.kwargs()
+    extra = {k: kw[k] for k in ("extra_kv_format", "extra_block_size") if k in kw}
+    arrays = dict(q=case.q, kv=case.kv_cache, idx=case.indices, tl=case.topk_length, sink=case.attn_sink)
+    if case.extra_kv_cache is not None:
+        arrays.update(ekv=case.extra_kv_cache, eidx=case.extra_indices, etl=case.extra_topk_length)
+
+    def f(a):
+        return sparse_mla_decode(a["q"], a["kv"], a["idx"], a["tl"], kv_format=kw["kv_format"],
+                                 block_size=kw["block_size"], softmax_scale=kw["softmax_scale"],
+                                 attn_sink=a["sink"], extra_kv_cache=a.get("ekv"), extra_indices=a.get("eidx"),
+                                 extra_topk_length=a.get("etl"), impl="cuda", **extra)
+
+    traced = jax.jit(f).trace(arrays)
+    out_shapes = [tuple(o.shape) for o in jax.tree.leaves(traced.out_info)]
+    return traced.lower(lowering_platforms=("cuda",)).as_text(), out_shapes
+
+
+@pytest.mark.parametrize("fmt,extra", [
+    ("fp8_ds_mla", None),
+    ("bf16", None),
+    ("fp8_ds_mla", dict(topk=128, block_size=2, fmt="fp8_ds_mla")),
+    ("bf16", dict(topk=64, block_size=61, fmt="fp8_ds_mla")),
+])
+def test_decode_lowers_to_custom_call(cuda_lib, fmt, extra):
+    case = make_decode_case(11, fmt=fmt, block_size=64, topk=100, h_q=20, b=2, s_q=3, extra=extra)
+    text, shapes = _lower_decode(case)
+    assert "dsv41_sparse_mla_decode" in text
+    assert shapes == [(2, 3, 20, 512), (2, 3, 20)]
+
+
+def test_prefill_lowers_to_custom_call(cuda_lib):
+    case = make_prefill_case(12, s_q=5, h_q=70, s_kv=100, topk=90)
+
+    def f(q, kv, idx, tl, sink):
+        return sparse_mla_prefill(q, kv, idx, softmax_scale=0.1, attn_sink=sink, topk_length=tl, impl="cuda")
+
+    traced = jax.jit(f).trace(case.q, case.kv, case.indices, case.topk_length, case.attn_sink)
+    assert [tuple(o.shape) for o in traced.out_info] == [(5, 70, 512), (5, 70), (5, 70)]
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "dsv41_sparse_mla_prefill" in text
+
+
+def test_bad_arguments_raise_at_trace_time(cuda_lib):
+    case = make_decode_case(13, fmt="fp8_ds_mla", topk=64, h_q=4)
+    kw = case.kwargs()
+    with pytest.raises(TypeError, match="q must"):
+        jax.jit(lambda q: sparse_mla_decode(q, case.kv_cache, case.indices, case.topk_length, impl="cuda", **kw)
+                ).trace(case.q.astype(jnp.float32))
+    # The cuda wrapper checks on its own too (for direct callers of cuda_ffi.decode).
+    bad = dataclasses.replace(_decode_call(case), indices=case.indices.astype(jnp.int16))
+    with pytest.raises(TypeError, match="cuda: indices must have dtype int32"):
+        jax.jit(lambda: cuda_ffi.decode(bad)).trace()
+    bad = dataclasses.replace(_decode_call(case), kv_cache=case.kv_cache[:, :-576])
+    with pytest.raises(ValueError, match=r"cuda: kv_cache \(fp8_ds_mla, block_size 64\) must be uint8\[num_blocks, 37440\]"):
+        cuda_ffi.decode(bad)
+    pcase = make_prefill_case(14, s_q=3, h_q=4, topk=64)
+    bad = dataclasses.replace(_prefill_call(pcase), kv=pcase.kv.astype(jnp.float32))
+    with pytest.raises(TypeError, match="cuda: kv must have dtype bfloat16"):
+        cuda_ffi.prefill(bad)
+
+
+def test_auto_falls_back_to_xla_on_cpu():
+    case = make_decode_case(15, fmt="fp8_ds_mla", topk=64, h_q=4, b=2, s_q=1)
+    out, lse = sparse_mla_decode(*case.args(), impl="auto", **case.kwargs())
+    ref_out, ref_lse = sparse_mla_decode(*case.args(), impl="xla", **case.kwargs())
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
+
+
+# ------------------------------------------------------------------------------ the kernels (emulated)
+def _check_decode(case, *, num_sms=132, seed=1):
+    from cuda_ffi.emulate import decode_emulated
+
+    out, lse = decode_emulated(_decode_call(case), num_sms=num_sms, seed=seed)
+    exp_out, exp_lse = case.expected()
+    assert_close(out, exp_out, "decode_out", "out")
+    assert_close(lse, exp_lse, "decode_lse", "lse")
+    return out, lse
+
+
+DECODE_IDS = [name for name, _ in DECODE_GRID]
+
+
+@pytest.mark.parametrize("name", DECODE_IDS)
+def test_emulated_decode_grid(emu, name):
+    i = DECODE_IDS.index(name)
+    kw = DECODE_GRID[i][1]
+    if kw["fmt"] not in cuda_ffi._ops.FORMAT_CODES or (kw.get("extra") or {}).get("fmt", "bf16") not in cuda_ffi._ops.FORMAT_CODES:
+        pytest.skip(f"cuda kernels do not read {kw['fmt']} / {(kw.get('extra') or {}).get('fmt')} (impl='auto' falls back)")
+    _check_decode(make_decode_case(100 + i, **kw))
+
+
+@pytest.mark.parametrize("kw,num_sms", [
+    # few parts: each part walks several requests (segments, Q reloads, pipeline across them) and splits some
+    (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
+    # two head groups (h=80 -> 128 padded), topk not a multiple of 64, one CTA per request
+    (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
+    # main + extra cache, many blocks per request, many splits
+    (dict(b=3, s_q=1, h_q=8, topk=128, block_size=64, fmt="fp8_ds_mla",
+          extra=dict(topk=320, block_size=2, fmt="fp8_ds_mla", lengths="full")), 132),
+])
+def test_emulated_decode_shapes(emu, kw, num_sms):
+    _check_decode(make_decode_case(21, **kw), num_sms=num_sms)
+
+
+def test_emulated_decode_lengths_past_topk_and_poison(emu):
+    # topk_length > topk is clamped; every slot not written is NaN / 0xFF; q rows of padded heads are 0.
+    case = make_decode_case(22, b=3, s_q=1, h_q=5, topk=70, fmt="fp8_ds_mla", lengths="full", invalid_frac=0.3)
+    case = dataclasses.replace(case, topk_length=jnp.asarray([70, 500, 3], jnp.int32))
+    out, lse = _check_decode(case, num_sms=4)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_emulated_decode_is_deterministic(emu):
+    from cuda_ffi.emulate import decode_emulated
+
+    case = make_decode_case(23, b=3, s_q=2, h_q=16, topk=192, fmt="fp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="bf16"))
+    call = _decode_call(case)
+    a = decode_emulated(call, num_sms=16, seed=1)
+    b = decode_emulated(call, num_sms=16, seed=7, workers=1)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+PREFILL_IDS = [name for name, _ in PREFILL_GRID]
+
+
+@pytest.mark.parametrize("name", PREFILL_IDS)
+def test_emulated_prefill_grid(emu, name):
+    from cuda_ffi.emulate import prefill_emulated
+
+    i = PREFILL_IDS.index(name)
+    case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
+    out, ml, lse = prefill_emulated(_prefill_call(case))
+    e_out, e_ml, e_lse = case.expected()
+    assert_close(out, e_out, "prefill_out", "out")
+    assert_close(ml, e_ml, "prefill_max_logits", "max_logits")
+    assert_close(lse, e_lse, "prefill_lse", "lse")
+
+
+def test_emulated_prefill_two_groups_and_seeds(emu):
+    from cuda_ffi.emulate import prefill_emulated
+
+    case = make_prefill_case(24, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf")
+    a = prefill_emulated(_prefill_call(case), seed=3)
+    b = prefill_emulated(_prefill_call(case), seed=11, workers=1)
+    e_out, e_ml, e_lse = case.expected()
+    assert_close(a[0], e_out, "prefill_out", "out")
+    assert_close(a[1], e_ml, "prefill_max_logits", "max_logits")
+    assert_close(a[2], e_lse, "prefill_lse", "lse")
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_handler_checks_name_the_argument(emu):
+    from cuda_ffi import _ops
+    from cuda_ffi.emulate import run_decode_ffi, run_prefill_ffi
+
+    case = make_decode_case(25, fmt="fp8_ds_mla", topk=64, h_q=4)
+    args, attrs, results, _ = _ops.prepare_decode(_decode_call(case), num_sms=8)
+    bad = list(args)
+    bad[4] = bad[4][:16]  # attn_sink
+    with pytest.raises(ValueError, match=r"attn_sink: expected shape \[64\], got \[16\]"):
+        run_decode_ffi(bad, attrs, results)
+    bad = list(args)
+    bad[2] = bad[2].astype(jnp.float32)  # indices
+    with pytest.raises(ValueError, match="indices: expected dtype int32, got float32"):
+        run_decode_ffi(bad, attrs, results)
+    with pytest.raises(ValueError, match="kv_cache block_size: expected 1..1048576, got 0"):
+        run_decode_ffi(args, dict(attrs, block_size=np.int64(0)), results)
+    pcase = make_prefill_case(26, s_q=2, h_q=4, topk=64)
+    pargs, pattrs, presults, _ = _ops.prepare_prefill(_prefill_call(pcase))
+    with pytest.raises(ValueError, match=r"q: expected the head count padded to a positive multiple of 64"):
+        run_prefill_ffi((pcase.q,) + tuple(pargs[1:]), pattrs, presults)
