@@ -15,6 +15,7 @@ from dsv41_jax.attention import (
     sparse_mla_prefill,
 )
 from dsv41_jax.backends import (
+    CUDA_SPARSE_DSV41,
     FLASHMLA_MEGA_ATTN_DSV41,
     FLASHMLA_SPARSE_DSV41,
     PALLAS_SPARSE_DSV41,

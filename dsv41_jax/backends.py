@@ -25,6 +25,7 @@ __all__ = [
     "BackendSelectionError",
     "FLASHMLA_SPARSE_DSV41",
     "FLASHMLA_MEGA_ATTN_DSV41",
+    "CUDA_SPARSE_DSV41",
     "PALLAS_SPARSE_DSV41",
     "XLA_SPARSE_DSV41",
     "KV_CACHE_FORMATS",
@@ -256,6 +257,19 @@ FLASHMLA_MEGA_ATTN_DSV41 = BackendSpec(
     notes="Fused q RoPE + sparse attention + inverse RoPE + fp8 output; SM100 only, no SM90 kernel.",
 )
 
+CUDA_SPARSE_DSV41 = BackendSpec(
+    name="CUDA_SPARSE_DSV41",
+    impl="cuda",
+    priority=25,
+    supported_dtypes=("bfloat16",),
+    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16"),
+    supported_head_sizes=(512,),
+    platforms=("cuda",),
+    compute_capability_majors=(9, 10),
+    kernel_block_sizes=lambda cc: None,
+    notes="Our CUDA kernels beyond FlashMLA's envelope: bf16 caches and any page size.",
+)
+
 PALLAS_SPARSE_DSV41 = BackendSpec(
     name="PALLAS_SPARSE_DSV41",
     impl="pallas",
@@ -310,7 +324,8 @@ def get_backend(name: str) -> BackendSpec:
             raise ValueError(f"unknown backend {name!r}; registered: {sorted(_REGISTRY)}") from None
 
 
-for _spec in (FLASHMLA_SPARSE_DSV41, FLASHMLA_MEGA_ATTN_DSV41, PALLAS_SPARSE_DSV41, XLA_SPARSE_DSV41):
+for _spec in (FLASHMLA_SPARSE_DSV41, FLASHMLA_MEGA_ATTN_DSV41, CUDA_SPARSE_DSV41, PALLAS_SPARSE_DSV41,
+              XLA_SPARSE_DSV41):
     register_backend(_spec)
 register_impl_availability("xla", lambda: None)
 

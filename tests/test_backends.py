@@ -134,10 +134,12 @@ def test_supports_combination_reasons(spec, kw, word):
     (dict(platform="cuda", compute_capability="10.0", block_size=128, mega=True), "FLASHMLA_MEGA_ATTN_DSV41"),
     (dict(platform="cuda", compute_capability="10.0", kv_cache_dtype="nvfp4_ds_mla", mega=True),
      "FLASHMLA_MEGA_ATTN_DSV41"),
-    # the SM90 FlashMLA kernel takes 64-token pages: other sizes fall to Pallas (any page size)
-    (dict(platform="cuda", compute_capability="9.0", block_size=128), "PALLAS_SPARSE_DSV41"),
-    (dict(platform="cuda", compute_capability="9.0", block_size=61), "PALLAS_SPARSE_DSV41"),
-    (dict(platform="cuda", compute_capability="9.0", kv_cache_dtype="bf16"), "PALLAS_SPARSE_DSV41"),
+    # the SM90 FlashMLA envelope is 64-token fp8 pages: other sizes and bf16 caches go to our own CUDA kernels
+    # (any page size), then to Pallas when CUDA is excluded
+    (dict(platform="cuda", compute_capability="9.0", block_size=128), "CUDA_SPARSE_DSV41"),
+    (dict(platform="cuda", compute_capability="9.0", block_size=61), "CUDA_SPARSE_DSV41"),
+    (dict(platform="cuda", compute_capability="9.0", kv_cache_dtype="bf16"), "CUDA_SPARSE_DSV41"),
+    (dict(platform="cuda", compute_capability="9.0", block_size=61, impls=("pallas", "xla")), "PALLAS_SPARSE_DSV41"),
     (dict(platform="cuda", compute_capability="9.0", kv_cache_dtype="mxfp8_ds_mla"), "XLA_SPARSE_DSV41"),
     (dict(platform="cuda", compute_capability="9.0", mega=True), "XLA_SPARSE_DSV41"),  # no SM90 mega kernel
     (dict(platform="cuda", compute_capability="8.0"), "XLA_SPARSE_DSV41"),
