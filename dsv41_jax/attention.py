@@ -28,7 +28,6 @@ from dsv41_jax import kv_cache as kvc
 from dsv41_jax.backends import (
     BackendSelectionError,
     canonical_kv_cache_dtype,
-    register_impl_availability,
     select_backend,
 )
 from dsv41_jax.reference import Pool, sparse_attention_rows

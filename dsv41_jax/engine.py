@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -42,16 +41,7 @@ from dsv41_jax import attention as _ops
 from dsv41_jax import sharding
 from dsv41_jax.backends import canonical_kv_cache_dtype
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
-from dsv41_jax.model import (
-    RopeTables,
-    candidate_mask,
-    decoder_tail,
-    index_keys,
-    index_query,
-    index_scores,
-    make_rope_tables,
-    select_topk,
-)
+from dsv41_jax.model import RopeTables, decoder_tail, index_keys, make_rope_tables, run_indexer
 from dsv41_jax.nn import DeepseekV41Model
 from dsv41_jax.rope import apply_inverse_rope, apply_rope
 
@@ -183,7 +173,7 @@ def _step(graphdef, params, caches, inp: StepInputs, tables: RopeTables, *, ecfg
     cm = inp.common
     T = inp.tokens.shape[0]
     R = cm.padded_num_reqs
-    W, BS, CBS, K = cfg.sliding_window, ecfg.block_size, ecfg.comp_block_size, cfg.index_topk
+    W, BS, CBS = cfg.sliding_window, ecfg.block_size, ecfg.comp_block_size
     fmt, cfmt = ecfg.kv_format, ecfg.comp_format
     ratios = sorted({r for r in cfg.compress_ratios[: cfg.num_hidden_layers] if r})
     sm = md.build_sparse_swa_metadata(cm, window=W, block_size=BS, num_speculative_tokens=ecfg.num_speculative_tokens,
@@ -232,16 +222,7 @@ def _step(graphdef, params, caches, inp: StepInputs, tables: RopeTables, *, ecfg
                         nmax = ecfg.max_model_len // r
                         lslots = md._paged_slot(cbt, tp.req[:, None], jnp.arange(nmax)[None, :], CBS)
                         keys = _flat_gather(ikey[src], lslots)
-                        iq, w = index_query(attn, h, qr, tp.pos, cs)
-                        sc = index_scores(iq, w, keys)
-                        vis = jnp.arange(nmax)[None, :] < n_vis[:, None]
-                        allowed = None
-                        if role.is_candidate_source:
-                            cands[role.layer_id] = candidate_mask(sc, vis, num_blocks=cfg.candidate_topk_blocks,
-                                                                  block=cfg.candidate_block_size)
-                        elif role.candidate_source_layer is not None:
-                            allowed = cands[role.candidate_source_layer]
-                        selected[role.layer_id] = select_topk(sc, n_vis, K, allowed)
+                        selected[role.layer_id] = run_indexer(attn, role, cfg, h, qr, tp.pos, cs, keys, n_vis, cands)
                 sel = selected[role.index_source_layer]
             with jax.named_scope("sparse_attention"):
                 kw = dict(softmax_scale=cfg.softmax_scale, attn_sink=attn.attn_sink[...], impl=ecfg.impl)

@@ -20,7 +20,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dsv41_jax import kv_cache as kvc
 from dsv41_jax.config import DeepseekV4AttentionConfig, LayerRole
@@ -28,7 +27,7 @@ from dsv41_jax.nn import DeepseekV41Attention, DeepseekV41Model
 from dsv41_jax.rope import apply_inverse_rope, apply_rope, cos_sin_cache
 
 __all__ = ["RopeTables", "make_rope_tables", "cache_roundtrip", "index_scores", "candidate_mask", "select_topk",
-           "dense_forward", "decoder_tail"]
+           "run_indexer", "dense_forward", "decoder_tail"]
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -115,6 +114,25 @@ def select_topk(scores: jax.Array, n_visible: jax.Array, topk: int, allowed: jax
     return jnp.where((n_visible <= topk)[:, None], everything, picked).astype(jnp.int32)
 
 
+def run_indexer(attn: DeepseekV41Attention, role: LayerRole, cfg: DeepseekV4AttentionConfig, h: jax.Array,
+                qr: jax.Array, pos: jax.Array, cs: jax.Array, keys: jax.Array, n_visible: jax.Array,
+                candidates: dict[int, jax.Array]) -> jax.Array:
+    """An index-source layer's selection int32 `[T, index_topk]` over `keys [T, N, d]` or `[N, d]`.
+
+    The candidate source records its candidate mask in `candidates`; later index sources read it.
+    """
+    iq, w = index_query(attn, h, qr, pos, cs)
+    sc = index_scores(iq, w, keys)
+    vis = jnp.arange(sc.shape[1])[None, :] < n_visible[:, None]
+    allowed = None
+    if role.is_candidate_source:
+        candidates[role.layer_id] = candidate_mask(sc, vis, num_blocks=cfg.candidate_topk_blocks,
+                                                   block=cfg.candidate_block_size)
+    elif role.candidate_source_layer is not None:
+        allowed = candidates[role.candidate_source_layer]
+    return select_topk(sc, n_visible, cfg.index_topk, allowed)
+
+
 def decoder_tail(layer, x: jax.Array, attn_out_hidden: jax.Array) -> jax.Array:
     """Residual + MLP after the attention of one decoder layer."""
     x = x + attn_out_hidden
@@ -134,7 +152,7 @@ def dense_forward(model: DeepseekV41Model, tokens: jax.Array, *, kv_format: str 
     tables = tables or make_rope_tables(cfg, max(L, 1))
     pos = jnp.arange(L)
     x = model.embed_tokens[...].astype(_F32)[tokens]
-    W, K = cfg.sliding_window, cfg.index_topk
+    W = cfg.sliding_window
     comp: dict[int, tuple[jax.Array, jax.Array]] = {}  # kv source -> (main latents [Ng, 512], index keys)
     selected: dict[int, jax.Array] = {}  # index source -> int32 [L, K] local positions
     cands: dict[int, jax.Array] = {}
@@ -160,16 +178,7 @@ def dense_forward(model: DeepseekV41Model, tokens: jax.Array, *, kv_format: str 
             main, ikeys = comp[role.kv_source_layer]
             n_vis = (pos + 1) // r
             if role.owns_indexer:
-                iq, w = index_query(attn, h, qr, pos, cs)
-                sc = index_scores(iq, w, ikeys)
-                vis = jnp.arange(ikeys.shape[0])[None, :] < n_vis[:, None]
-                allowed = None
-                if role.is_candidate_source:
-                    cands[role.layer_id] = candidate_mask(sc, vis, num_blocks=cfg.candidate_topk_blocks,
-                                                          block=cfg.candidate_block_size)
-                elif role.candidate_source_layer is not None:
-                    allowed = cands[role.candidate_source_layer]
-                selected[role.layer_id] = select_topk(sc, n_vis, K, allowed)
+                selected[role.layer_id] = run_indexer(attn, role, cfg, h, qr, pos, cs, ikeys, n_vis, cands)
             sel = selected[role.index_source_layer]
             ng = main.shape[0]
             m = jnp.zeros((L, ng + 1), bool).at[jnp.arange(L)[:, None], jnp.where(sel >= 0, sel, ng)].set(True)

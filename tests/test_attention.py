@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import dsv41_jax as d
-from dsv41_jax import kv_cache as kvc
 from dsv41_jax.rope import apply_inverse_rope, apply_rope, cos_sin_cache
 from tests.attention_cases import (
     DECODE_GRID,
