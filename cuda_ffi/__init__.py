@@ -43,7 +43,7 @@ __all__ = [
     "refresh",
 ]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 EXPORTED_SYMBOLS = {DECODE_TARGET: "Dsv41SparseMlaDecode", PREFILL_TARGET: "Dsv41SparseMlaPrefill"}
 _DEFAULT_LIB = Path(__file__).resolve().parent / "lib" / "libdsv41_cuda.so"
 

@@ -3,11 +3,14 @@
 Both kernels work on 64-head groups and 64-token tiles, so the wrapper
 - pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back;
 - pads indices with -1 to a multiple of 64 (at least 64);
-- clamps topk_length / extra_topk_length to [0, topk] (the kernel clamps again) and, for decode,
-  builds FlashMLA's split plan with `dsv41_jax.scheduler.plan_decode_splits` from those clamped
-  lengths, with `num_sm_parts_for("sm90", num_sms, s_q, h_q)` parts, so the kernel and the plan
-  count a request's 64-token blocks the same way (main blocks `ceil(max(len, 1) / 64)`, then
-  `ceil(extra_len / 64)` extra blocks);
+- clamps topk_length / extra_topk_length to [0, topk] (the kernel clamps again);
+- decode: FlashMLA's split plan (`dsv41_jax.scheduler.plan_decode_splits`'s algorithm, from the
+  clamped lengths, `num_sm_parts_for("sm90", num_sms, s_q, h_q)` parts) is computed by a
+  one-warp planner kernel that the FFI handler enqueues before the decode kernel
+  (`plan="device"`, the default: no XLA loops, no host round trip); `plan="jax"` computes it
+  with `plan_decode_splits` in XLA and passes it in (the handler copies it). Either way the plan
+  the kernels used comes back as two extra FFI results, `tile_scheduler_metadata int32[parts, 8]`
+  and `num_splits int32[b + 1]`;
 - passes the split accumulators `o_accum f32[b + parts, s_q, h_pad, 512]` and `lse_accum` as
   extra FFI results (no allocation inside the handler; command-buffer compatible).
 Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h_q, 512], lse f32
@@ -105,8 +108,15 @@ def default_num_sms() -> int:
 
 
 # ------------------------------------------------------------------------------ decode
-def prepare_decode(call, *, num_sms: int | None = None) -> tuple[tuple, dict, tuple, dict]:
-    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `DecodeCall`."""
+PLANS = ("device", "jax")
+
+
+def prepare_decode(call, *, num_sms: int | None = None, plan: str = "device") -> tuple[tuple, dict, tuple, dict]:
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `DecodeCall`.
+
+    plan="device": the handler's planner kernel computes the split plan; "jax": `plan_decode_splits`."""
+    if plan not in PLANS:
+        raise ValueError(f"cuda: plan must be one of {PLANS}, got {plan!r}")
     q = call.q
     _require("q", q, dtype=jnp.bfloat16, ndim=4)
     b, s_q, h_q, d = q.shape
@@ -133,22 +143,28 @@ def prepare_decode(call, *, num_sms: int | None = None) -> tuple[tuple, dict, tu
         etl = jnp.clip(call.extra_topk_length, 0, etopk).astype(jnp.int32)
         ekv = call.extra_kv_cache
         efmt, ebs = FORMAT_CODES[call.extra_kv_format], int(call.extra_block_size)
-        meta, splits = plan_decode_splits(tl, topk=topk, num_sm_parts=parts, extra_topk_length=etl)
     else:
         ekv = jnp.zeros((1, 1), jnp.uint8)
         eidx = jnp.full((1, 1, 1), -1, jnp.int32)
         etl = jnp.zeros((1,), jnp.int32)
         efmt, ebs = 0, 1
-        meta, splits = plan_decode_splits(tl, topk=topk, num_sm_parts=parts)
+    if plan == "jax":
+        meta, splits = plan_decode_splits(tl, topk=topk, num_sm_parts=parts,
+                                          extra_topk_length=etl if call.has_extra else None)
+    else:  # placeholders: the handler plans on the device and ignores these inputs
+        meta, splits = jnp.zeros((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32)
     args = (qp, call.kv_cache, idx, tl, sink, meta, splits, ekv, eidx, etl)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale), kv_format=np.int64(FORMAT_CODES[call.kv_format]),
                  block_size=np.int64(call.block_size), has_extra=np.int64(1 if call.has_extra else 0),
-                 extra_kv_format=np.int64(efmt), extra_block_size=np.int64(ebs))
+                 extra_kv_format=np.int64(efmt), extra_block_size=np.int64(ebs),
+                 device_plan=np.int64(1 if plan == "device" else 0))
     results = (
         jax.ShapeDtypeStruct((b, s_q, h_pad, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((b, s_q, h_pad), jnp.float32),
         jax.ShapeDtypeStruct((b + parts, s_q, h_pad, HEAD_DIM), jnp.float32),
         jax.ShapeDtypeStruct((b + parts, s_q, h_pad), jnp.float32),
+        jax.ShapeDtypeStruct((parts, 8), jnp.int32),
+        jax.ShapeDtypeStruct((b + 1,), jnp.int32),
     )
     return args, attrs, results, dict(h_q=h_q, h_pad=h_pad, num_parts=parts)
 
@@ -158,19 +174,26 @@ def _empty_decode(call):
     return jnp.zeros((b, s_q, h_q, d), jnp.bfloat16), jnp.full((b, s_q, h_q), jnp.inf, jnp.float32)
 
 
-def decode(call) -> tuple[jax.Array, jax.Array]:
-    """`impl="cuda"` sparse decode of a checked `DecodeCall`: `(out, lse)` like the xla reference."""
+def decode_with_plan(call, *, plan: str = "device", num_sms: int | None = None):
+    """`(out, lse, tile_scheduler_metadata, num_splits)`: the decode and the split plan it used
+    (b >= 1 and s_q >= 1)."""
     from cuda_ffi import ensure_registered
 
-    b, s_q = call.q.shape[:2]
-    if b == 0 or s_q == 0:
-        return _empty_decode(call)
-    args, attrs, results, info = prepare_decode(call)
+    args, attrs, results, info = prepare_decode(call, num_sms=num_sms, plan=plan)
     ensure_registered()
-    out, lse, _, _ = jax.ffi.ffi_call(DECODE_TARGET, results)(*args, **attrs)
+    out, lse, _, _, meta, splits = jax.ffi.ffi_call(DECODE_TARGET, results)(*args, **attrs)
     h_q = info["h_q"]
     if info["h_pad"] != h_q:
         out, lse = out[:, :, :h_q], lse[:, :, :h_q]
+    return out, lse, meta, splits
+
+
+def decode(call, *, plan: str = "device") -> tuple[jax.Array, jax.Array]:
+    """`impl="cuda"` sparse decode of a checked `DecodeCall`: `(out, lse)` like the xla reference."""
+    b, s_q = call.q.shape[:2]
+    if b == 0 or s_q == 0:
+        return _empty_decode(call)
+    out, lse, _, _ = decode_with_plan(call, plan=plan)
     return out, lse
 
 

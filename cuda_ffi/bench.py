@@ -6,10 +6,12 @@
 Inputs are random (never zeros): a paged fp8_ds_mla cache written by `kv_cache.insert` with
 `tokens_per_req` distinct tokens per request (several times the L2), indices drawn per query
 token. Each time is the median over `--reps` timings of `--iters` back-to-back calls (one
-`block_until_ready` per timing). Decode reports two times: "op" is the jitted public op
-(`sparse_mla_decode(impl="cuda")`: padding, the split plan `plan_decode_splits` computed by XLA,
-then the FFI call) and "kernel" is the FFI call alone on a precomputed plan (decode + combine
-kernels; FlashMLA's own benchmark also reuses its plan). TFLOP/s are from the kernel time. FLOPs as flashmla.md section 5: decode
+`block_until_ready` per timing). Decode reports three times: "op" is the jitted public op
+(`sparse_mla_decode(impl="cuda")`: padding, then the FFI call, whose handler runs the split
+planner kernel, the decode and the combine kernels), "kernel" is the FFI call alone (planner +
+decode + combine) and "given plan" the FFI call on a plan computed beforehand by
+`plan_decode_splits` (copy + decode + combine; FlashMLA's own benchmark also reuses its plan).
+TFLOP/s are from the "kernel" time. FLOPs as flashmla.md section 5: decode
 2*h*attended*(512+512), prefill 2*sum(topk)*h*1024. Anchors: FlashMLA on this H200
 (shared/spec/README.md). The last column is a correctness check against impl="xla" on a slice
 (max |cuda - xla| / max |xla| over the first requests / query tokens).
@@ -102,14 +104,18 @@ def bench_decode(iters: int, reps: int, tokens_per_req: int):
         cuda_ffi.ensure_registered()
         kern = jax.jit(lambda *a: jax.ffi.ffi_call(_ops.DECODE_TARGET, fres)(*a, **fattrs)[:2])
         sec = _time(kern, fargs, iters, reps)
+        gargs, gattrs, gres, _ = _ops.prepare_decode(call, plan="jax")
+        gargs = jax.block_until_ready(gargs)
+        given = jax.jit(lambda *a: jax.ffi.ffi_call(_ops.DECODE_TARGET, gres)(*a, **gattrs)[:2])
+        sec_given = _time(given, gargs, iters, reps)
         flops = 2 * h * attended * 1024
         # correctness spot check on the first 4 requests (caches whole: indices address all of them)
         sl = [a if i in (1, 4) else a[:4] for i, a in enumerate(args)]
         got = np.asarray(jax.jit(op)(*sl)[0], np.float32)
         ref = np.asarray(jax.jit(lambda *a: op(*a, impl="xla"))(*sl)[0], np.float32)
         err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
-        rows.append((name, sec_op, sec, flops / sec / 1e12, anchor, err))
-        del cache, args, fargs
+        rows.append((name, sec_op, sec, sec_given, flops / sec / 1e12, anchor, err))
+        del cache, args, fargs, gargs
     return rows
 
 
@@ -132,7 +138,7 @@ def bench_prefill(iters: int, reps: int):
         got = np.asarray(jax.jit(op)(q[:64], kv, idx[:64])[0], np.float32)
         ref = np.asarray(jax.jit(lambda *a: op(*a, impl="xla"))(q[:64], kv, idx[:64])[0], np.float32)
         err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
-        rows.append((name, sec_op, sec, flops / sec / 1e12, anchor, err))
+        rows.append((name, sec_op, sec, float("nan"), flops / sec / 1e12, anchor, err))
     return rows
 
 
@@ -150,9 +156,11 @@ def main(argv=None) -> int:
         rows += bench_decode(a.iters, a.reps, a.tokens_per_req)
     if a.only in (None, "prefill"):
         rows += bench_prefill(a.iters, a.reps)
-    print(f"{'case':30s} {'op us':>8s} {'kernel us':>9s} {'TFLOP/s':>8s} {'FlashMLA':>8s} {'ratio':>6s} {'rel err':>8s}")
-    for name, sec_op, sec, tf, anchor, err in rows:
-        print(f"{name:30s} {sec_op * 1e6:8.1f} {sec * 1e6:9.1f} {tf:8.1f} {anchor:8.1f} {tf / anchor:6.2f} {err:8.1e}")
+    print(f"{'case':30s} {'op us':>8s} {'kernel us':>9s} {'given plan us':>13s} {'TFLOP/s':>8s} {'FlashMLA':>8s} "
+          f"{'ratio':>6s} {'rel err':>8s}")
+    for name, sec_op, sec, sec_given, tf, anchor, err in rows:
+        print(f"{name:30s} {sec_op * 1e6:8.1f} {sec * 1e6:9.1f} {sec_given * 1e6:13.1f} {tf:8.1f} {anchor:8.1f} "
+              f"{tf / anchor:6.2f} {err:8.1e}")
     return 0
 
 

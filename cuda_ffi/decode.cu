@@ -9,6 +9,14 @@ __global__ void __launch_bounds__(kThreads, 1) dsv41_decode_kernel(const __grid_
   decode_cta(p, smem);
 }
 
+__global__ void __launch_bounds__(kPlanThreads) dsv41_plan_kernel(const __grid_constant__ PlanParams p) {
+  plan_warp(p, lane_idx());
+}
+
+__global__ void __launch_bounds__(256) dsv41_plan_copy_kernel(const __grid_constant__ PlanParams p) {
+  plan_copy(p, thread_idx(), 256);
+}
+
 __global__ void __launch_bounds__(kCombineThreads) dsv41_combine_kernel(const __grid_constant__ DecodeParams p) {
   combine_cta(p);
 }
@@ -29,11 +37,17 @@ cudaError_t ensure_smem_limit(const void* func, int bytes, unsigned long long* d
   return cudaSuccess;
 }
 
-cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
+cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStream_t stream) {
   static unsigned long long done = 0;
   const long long grid = (long long)p.num_groups * p.s_q * p.num_parts;
   if (grid <= 0 || p.b <= 0) return cudaSuccess;
   cudaError_t e = ensure_smem_limit((const void*)dsv41_decode_kernel, kSmemBytes, &done);
+  if (e != cudaSuccess) return e;
+  if (plan.device_plan)
+    dsv41_plan_kernel<<<1, kPlanThreads, 0, stream>>>(plan);
+  else
+    dsv41_plan_copy_kernel<<<1, 256, 0, stream>>>(plan);
+  e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   dsv41_decode_kernel<<<(unsigned)grid, kThreads, kSmemBytes, stream>>>(p);
   e = cudaGetLastError();

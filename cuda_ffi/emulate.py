@@ -4,8 +4,9 @@
 host: every CUDA thread is a fiber, warp-collective instructions exchange their operands with
 the PTX fragment semantics, named barriers count arrivals. `decode_emulated(call)` /
 `prefill_emulated(call)` run the same JAX-side preparation as the GPU path (`_ops.prepare_*`:
-head/topk padding, length clamping, split plan), the same argument checks as the FFI handlers
-(host_params.h), then the kernels, and slice the results like the GPU path. Outputs start
+head/topk padding, length clamping), the same argument checks as the FFI handlers
+(host_params.h), then the kernels (split planner, decode, combine), and slice the results like
+the GPU path. `plan_emulated` runs the planner kernel alone. Outputs start
 poisoned (NaN), so an element the kernels never write fails any comparison.
 """
 
@@ -51,8 +52,13 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         lib.dsv41_emu_decode.restype = ctypes.c_int
         lib.dsv41_emu_decode.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p,
-            ctypes.c_int]
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int,
+            ctypes.c_char_p, ctypes.c_int]
+        lib.dsv41_emu_plan.restype = ctypes.c_int
+        lib.dsv41_emu_plan.argtypes = [
+            ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.POINTER(TensorView),
+            ctypes.POINTER(TensorView), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int]
         lib.dsv41_emu_prefill.restype = ctypes.c_int
         lib.dsv41_emu_prefill.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_uint64, ctypes.c_int,
@@ -67,7 +73,7 @@ def _np(x) -> np.ndarray:
 
 def _poisoned(sds) -> np.ndarray:
     a = np.empty(sds.shape, np.dtype(sds.dtype))
-    a.fill(np.nan)
+    a.fill(np.nan if np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16 else -0x55555556)
     return a
 
 
@@ -76,17 +82,38 @@ def _views(arrays):
 
 
 def run_decode_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0):
-    """The FFI call's contract on host arrays: returns the 4 result arrays (out, lse, o_accum, lse_accum)."""
+    """The FFI call's contract on host arrays: returns the 6 result arrays (out, lse, o_accum,
+    lse_accum, tile_scheduler_metadata, num_splits)."""
     lib = load()
     ins = [_np(a) for a in args]
     outs = [_poisoned(r) for r in results]
     err = ctypes.create_string_buffer(4096)
     rc = lib.dsv41_emu_decode(_views(ins), _views(outs), float(attrs["softmax_scale"]), int(attrs["kv_format"]),
                               int(attrs["block_size"]), int(attrs["has_extra"]), int(attrs["extra_kv_format"]),
-                              int(attrs["extra_block_size"]), seed, workers, err, len(err))
+                              int(attrs["extra_block_size"]), int(attrs["device_plan"]), seed, workers, err,
+                              len(err))
     if rc:
         raise ValueError(err.value.decode())
     return outs
+
+
+def plan_emulated(topk_length, *, topk: int, num_sm_parts: int, extra_topk_length=None, extra_topk: int = 0,
+                  fixed_overhead: int = 5, seed: int = 1):
+    """The device split planner (kernels.cuh plan_warp) run by the emulator: `(metadata int32[parts, 8],
+    num_splits int32[b + 1])`. Lengths are clamped to [0, topk] / [0, extra_topk] like the kernel does."""
+    lib = load()
+    tl = np.ascontiguousarray(np.asarray(topk_length, np.int32))
+    has_extra = extra_topk_length is not None
+    etl = np.ascontiguousarray(np.asarray(extra_topk_length if has_extra else tl, np.int32))
+    meta = np.full((num_sm_parts, 8), -0x55555556, np.int32)
+    splits = np.full((tl.shape[0] + 1,), -0x55555556, np.int32)
+    err = ctypes.create_string_buffer(4096)
+    views = [_view(a) for a in (tl, etl, meta, splits)]
+    rc = lib.dsv41_emu_plan(*[ctypes.byref(v) for v in views], int(topk), int(extra_topk), int(has_extra),
+                            int(fixed_overhead), seed, err, len(err))
+    if rc:
+        raise ValueError(err.value.decode())
+    return meta, splits
 
 
 def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0):
@@ -100,12 +127,15 @@ def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0):
     return outs
 
 
-def decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0):
-    """(out, lse) of the CUDA decode path, computed by the emulator."""
-    args, attrs, results, info = _ops.prepare_decode(call, num_sms=num_sms)
-    out, lse, _, _ = run_decode_ffi(args, attrs, results, seed=seed, workers=workers)
+def decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0, plan: str = "device",
+                    return_plan: bool = False):
+    """(out, lse) of the CUDA decode path, computed by the emulator (+ (metadata, num_splits) with
+    return_plan)."""
+    args, attrs, results, info = _ops.prepare_decode(call, num_sms=num_sms, plan=plan)
+    out, lse, _, _, meta, splits = run_decode_ffi(args, attrs, results, seed=seed, workers=workers)
     h = info["h_q"]
-    return jnp.asarray(out[:, :, :h]), jnp.asarray(lse[:, :, :h])
+    res = (jnp.asarray(out[:, :, :h]), jnp.asarray(lse[:, :, :h]))
+    return res + (meta, splits) if return_plan else res
 
 
 def prefill_emulated(call, *, seed: int = 1, workers: int = 0):

@@ -2,7 +2,9 @@
 //   Dsv41SparseMlaDecode   -> FFI target "dsv41_sparse_mla_decode"
 //   Dsv41SparseMlaPrefill  -> FFI target "dsv41_sparse_mla_prefill"
 // Both are command-buffer compatible: they only enqueue kernels on XLA's stream, allocate
-// nothing (the split accumulators are extra results) and never synchronise.
+// nothing (the split accumulators and the split plan are extra results) and never synchronise.
+// Decode enqueues the one-warp split planner (device_plan = 1; or a copy of the plan inputs),
+// the decode kernel and the combine kernel.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -43,17 +45,21 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, 
                       ffi::AnyBuffer num_splits, ffi::AnyBuffer extra_kv, ffi::AnyBuffer extra_indices,
                       ffi::AnyBuffer extra_topk_length, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> o_accum,
-                      ffi::Result<ffi::AnyBuffer> lse_accum, float softmax_scale, int64_t kv_format,
-                      int64_t block_size, int64_t has_extra, int64_t extra_kv_format, int64_t extra_block_size) {
+                      ffi::Result<ffi::AnyBuffer> lse_accum, ffi::Result<ffi::AnyBuffer> sched_out,
+                      ffi::Result<ffi::AnyBuffer> num_splits_out, float softmax_scale, int64_t kv_format,
+                      int64_t block_size, int64_t has_extra, int64_t extra_kv_format, int64_t extra_block_size,
+                      int64_t device_plan) {
   const dsv41::TensorView in[10] = {view(q),         view(kv),         view(indices),       view(topk_length),
                                     view(attn_sink), view(sched),      view(num_splits),    view(extra_kv),
                                     view(extra_indices), view(extra_topk_length)};
-  const dsv41::TensorView res[4] = {view(*out), view(*lse), view(*o_accum), view(*lse_accum)};
+  const dsv41::TensorView res[6] = {view(*out),       view(*lse),      view(*o_accum),
+                                    view(*lse_accum), view(*sched_out), view(*num_splits_out)};
   dsv41::DecodeParams p{};
+  dsv41::PlanParams plan{};
   std::string err = dsv41::make_decode_params(in, res, softmax_scale, kv_format, block_size, has_extra,
-                                              extra_kv_format, extra_block_size, &p);
+                                              extra_kv_format, extra_block_size, device_plan, &p, &plan);
   if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_sparse_mla_decode: " + err);
-  cudaError_t e = dsv41::launch_decode(p, stream);
+  cudaError_t e = dsv41::launch_decode(p, plan, stream);
   if (e != cudaSuccess) return cuda_error("dsv41_sparse_mla_decode launch", e);
   return ffi::Error::Success();
 }
@@ -81,8 +87,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaDecode, DecodeImpl,
                                   .Arg<ffi::AnyBuffer>()  // indices
                                   .Arg<ffi::AnyBuffer>()  // topk_length
                                   .Arg<ffi::AnyBuffer>()  // attn_sink
-                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata
-                                  .Arg<ffi::AnyBuffer>()  // num_splits
+                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata_in (device_plan = 0)
+                                  .Arg<ffi::AnyBuffer>()  // num_splits_in (device_plan = 0)
                                   .Arg<ffi::AnyBuffer>()  // extra_kv_cache
                                   .Arg<ffi::AnyBuffer>()  // extra_indices
                                   .Arg<ffi::AnyBuffer>()  // extra_topk_length
@@ -90,12 +96,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaDecode, DecodeImpl,
                                   .Ret<ffi::AnyBuffer>()  // lse
                                   .Ret<ffi::AnyBuffer>()  // o_accum
                                   .Ret<ffi::AnyBuffer>()  // lse_accum
+                                  .Ret<ffi::AnyBuffer>()  // tile_scheduler_metadata (the plan used)
+                                  .Ret<ffi::AnyBuffer>()  // num_splits
                                   .Attr<float>("softmax_scale")
                                   .Attr<int64_t>("kv_format")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int64_t>("has_extra")
                                   .Attr<int64_t>("extra_kv_format")
-                                  .Attr<int64_t>("extra_block_size"),
+                                  .Attr<int64_t>("extra_block_size")
+                                  .Attr<int64_t>("device_plan"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaPrefill, PrefillImpl,
@@ -113,4 +122,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaPrefill, PrefillImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Version probe for the Python loader (bumped whenever an FFI signature changes).
-extern "C" int dsv41_cuda_abi_version() { return 1; }
+extern "C" int dsv41_cuda_abi_version() { return 2; }

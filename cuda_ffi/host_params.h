@@ -122,15 +122,20 @@ inline std::string make_pool(const char* which, const char* idx_name, const char
 }
 
 // Decode: q [b, s_q, h_pad, 512] bf16 (h_pad % 64 == 0), kv_cache, indices [b, s_q, topk] int32,
-// topk_length [b] int32, attn_sink [h_pad] f32, tile_scheduler_metadata [num_parts, 8] int32,
-// num_splits [b + 1] int32, extra_* (ignored when has_extra == 0); results out [b, s_q, h_pad,
-// 512] bf16, lse [b, s_q, h_pad] f32, o_accum [b + num_parts, s_q, h_pad, 512] f32, lse_accum
-// [b + num_parts, s_q, h_pad] f32.
-inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*4*/, float softmax_scale,
+// topk_length [b] int32, attn_sink [h_pad] f32, tile_scheduler_metadata_in [num_parts, 8] int32
+// and num_splits_in [b + 1] int32 (read only when device_plan == 0; any int32 arrays otherwise),
+// extra_* (ignored when has_extra == 0); results out [b, s_q, h_pad, 512] bf16, lse [b, s_q,
+// h_pad] f32, o_accum [b + num_parts, s_q, h_pad, 512] f32, lse_accum [b + num_parts, s_q,
+// h_pad] f32, tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1] int32 (the
+// plan the kernels used: computed on the device, or copied from the inputs). num_parts is the
+// first dimension of the tile_scheduler_metadata result.
+inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*6*/, float softmax_scale,
                                       int64_t kv_format, int64_t block_size, int64_t has_extra,
-                                      int64_t extra_kv_format, int64_t extra_block_size, DecodeParams* p) {
-  const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4], &sched = in[5],
-                   &nsplit = in[6], &ekv = in[7], &eidx = in[8], &etl = in[9];
+                                      int64_t extra_kv_format, int64_t extra_block_size, int64_t device_plan,
+                                      DecodeParams* p, PlanParams* plan) {
+  const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4], &sched_in = in[5],
+                   &nsplit_in = in[6], &ekv = in[7], &eidx = in[8], &etl = in[9];
+  const TensorView &sched = out[4], &nsplit = out[5];
   std::string e;
   if (!(e = expect("q", q, DType::kBF16, 4)).empty()) return e;
   const int64_t b = q.dims[0], s_q = q.dims[1], h_pad = q.dims[2];
@@ -142,6 +147,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (!(softmax_scale == softmax_scale) || softmax_scale == 1.0f / 0.0f || softmax_scale == -1.0f / 0.0f)
     return cat("softmax_scale: expected a finite float, got ", softmax_scale);
   if (has_extra != 0 && has_extra != 1) return cat("has_extra: expected 0 or 1, got ", has_extra);
+  if (device_plan != 0 && device_plan != 1) return cat("device_plan: expected 0 or 1, got ", device_plan);
   if (!(e = make_pool("kv_cache", "indices", "topk_length", kv, idx, tl, kv_format, block_size, b, s_q, &p->main)).empty())
     return e;
   if (has_extra) {
@@ -154,12 +160,18 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   }
   if (!(e = expect("attn_sink", sink, DType::kF32, 1)).empty()) return e;
   if (!(e = expect_dims("attn_sink", sink, {h_pad})).empty()) return e + " (pad with -inf)";
-  if (!(e = expect("tile_scheduler_metadata", sched, DType::kS32, 2)).empty()) return e;
-  if (!(e = expect_dims("tile_scheduler_metadata", sched, {-1, 8})).empty()) return e;
+  if (!(e = expect("tile_scheduler_metadata (result)", sched, DType::kS32, 2)).empty()) return e;
+  if (!(e = expect_dims("tile_scheduler_metadata (result)", sched, {-1, 8})).empty()) return e;
   const int64_t parts = sched.dims[0];
-  if (parts < 1 || parts > 65535) return cat("tile_scheduler_metadata: expected 1..65535 parts, got ", parts);
-  if (!(e = expect("num_splits", nsplit, DType::kS32, 1)).empty()) return e;
-  if (!(e = expect_dims("num_splits", nsplit, {b + 1})).empty()) return e;
+  if (parts < 1 || parts > 65535) return cat("tile_scheduler_metadata (result): expected 1..65535 parts, got ", parts);
+  if (!(e = expect("num_splits (result)", nsplit, DType::kS32, 1)).empty()) return e;
+  if (!(e = expect_dims("num_splits (result)", nsplit, {b + 1})).empty()) return e;
+  if (!(e = expect("tile_scheduler_metadata", sched_in, DType::kS32, 2)).empty()) return e;
+  if (!(e = expect("num_splits", nsplit_in, DType::kS32, 1)).empty()) return e;
+  if (!device_plan) {
+    if (!(e = expect_dims("tile_scheduler_metadata", sched_in, {parts, 8})).empty()) return e;
+    if (!(e = expect_dims("num_splits", nsplit_in, {b + 1})).empty()) return e;
+  }
   const int64_t slots = b + parts;
   if (!(e = expect("out", out[0], DType::kBF16, 4)).empty()) return e;
   if (!(e = expect_dims("out", out[0], {b, s_q, h_pad, kHeadDim})).empty()) return e;
@@ -176,6 +188,20 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->sink = static_cast<const float*>(sink.data);
   p->sched = static_cast<const int32_t*>(sched.data);
   p->num_splits = static_cast<const int32_t*>(nsplit.data);
+  plan->lengths = p->main.lengths;
+  plan->extra_lengths = has_extra ? p->extra.lengths : p->main.lengths;
+  plan->sched = static_cast<int32_t*>(sched.data);
+  plan->num_splits = static_cast<int32_t*>(nsplit.data);
+  plan->sched_in = static_cast<const int32_t*>(sched_in.data);
+  plan->num_splits_in = static_cast<const int32_t*>(nsplit_in.data);
+  plan->b = (int32_t)b;
+  plan->num_parts = (int32_t)parts;
+  plan->topk = p->main.topk;
+  plan->extra_topk = has_extra ? p->extra.topk : 0;
+  plan->has_extra = (int32_t)has_extra;
+  plan->fixed_overhead = kPlanFixedOverhead;
+  plan->device_plan = (int32_t)device_plan;
+  plan->pad_ = 0;
   p->out = static_cast<uint16_t*>(out[0].data);
   p->lse = static_cast<float*>(out[1].data);
   p->o_accum = static_cast<float*>(out[2].data);
@@ -187,6 +213,42 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
   p->num_parts = (int32_t)parts;
   p->has_extra = (int32_t)has_extra;
+  return "";
+}
+
+// The planner alone (emulator tests): topk_length [b] int32, extra_topk_length [b] int32 (when
+// has_extra); results tile_scheduler_metadata [num_parts, 8] int32, num_splits [b + 1] int32.
+inline std::string make_plan_params(const TensorView& tl, const TensorView& etl, const TensorView& sched,
+                                    const TensorView& nsplit, int64_t topk, int64_t extra_topk, int64_t has_extra,
+                                    int64_t fixed_overhead, PlanParams* plan) {
+  std::string e;
+  if (!(e = expect("topk_length", tl, DType::kS32, 1)).empty()) return e;
+  const int64_t b = tl.dims[0];
+  if (b < 1 || b >= kMaxI32 / 2) return cat("topk_length: expected 1 <= b < 2^30, got shape ", shape_str(tl));
+  if (has_extra != 0 && has_extra != 1) return cat("has_extra: expected 0 or 1, got ", has_extra);
+  if (has_extra) {
+    if (!(e = expect("extra_topk_length", etl, DType::kS32, 1)).empty()) return e;
+    if (!(e = expect_dims("extra_topk_length", etl, {b})).empty()) return e;
+  }
+  if (topk < 0 || topk > kMaxI32 || extra_topk < 0 || extra_topk > kMaxI32) return "topk / extra_topk out of range";
+  if (fixed_overhead < 0 || fixed_overhead > 1 << 20) return cat("fixed_overhead out of range: ", fixed_overhead);
+  if (!(e = expect("tile_scheduler_metadata", sched, DType::kS32, 2)).empty()) return e;
+  if (!(e = expect_dims("tile_scheduler_metadata", sched, {-1, 8})).empty()) return e;
+  if (sched.dims[0] < 1 || sched.dims[0] > 65535) return "tile_scheduler_metadata: expected 1..65535 parts";
+  if (!(e = expect("num_splits", nsplit, DType::kS32, 1)).empty()) return e;
+  if (!(e = expect_dims("num_splits", nsplit, {b + 1})).empty()) return e;
+  *plan = PlanParams{};
+  plan->lengths = static_cast<const int32_t*>(tl.data);
+  plan->extra_lengths = has_extra ? static_cast<const int32_t*>(etl.data) : plan->lengths;
+  plan->sched = static_cast<int32_t*>(sched.data);
+  plan->num_splits = static_cast<int32_t*>(nsplit.data);
+  plan->b = (int32_t)b;
+  plan->num_parts = (int32_t)sched.dims[0];
+  plan->topk = (int32_t)topk;
+  plan->extra_topk = (int32_t)extra_topk;
+  plan->has_extra = (int32_t)has_extra;
+  plan->fixed_overhead = (int32_t)fixed_overhead;
+  plan->device_plan = 1;
   return "";
 }
 

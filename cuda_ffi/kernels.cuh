@@ -8,8 +8,8 @@
 //   warps 0..7  consumers (tensor cores, mma.sync m16n8k16 bf16 -> f32)
 //   warps 8..11 producers (gather 64 selected KV rows per tile, dequantize fp8 -> bf16)
 // setmaxnreg gives the consumer warpgroups 200 registers and the producer warpgroup 104.
-// Shared memory (params.h, 214544 B): Q bf16 [64 heads][512], K/V bf16 [2 buffers][64 tokens]
-// [512], P as two bf16 [64 heads][64 tokens] halves (P_hi + P_lo), small f32 exchange arrays,
+// Shared memory (params.h, 214544 B; 206352 B with DSV41_P_HILO=0): Q bf16 [64 heads][512], K/V bf16 [2 buffers][64 tokens]
+// [512], P bf16 [64 heads][64 tokens] (+ P_lo with DSV41_P_HILO), small f32 exchange arrays,
 // and per buffer a 64-bit validity mask (16 bits per producer warp). Rows of Q and K/V are 1024 B = 64 chunks of 16 B; chunk c of row r lives at chunk
 // c ^ (r & 7) (rows of P: 8 chunks, same XOR), so the 8 row addresses of every ldmatrix hit
 // 8 different 16-byte bank groups.
@@ -19,8 +19,8 @@
 //         S := scale*log2(e) * S, and -inf where the token is masked.
 //   row max of the two token halves exchanged through smem (barrier B1), then with the running
 //   max M (log2 domain) and base = (M_new == -inf ? 0 : M_new): alpha = 2^(M_old - base),
-//   P = 2^(S - base), partial row sums l = l*alpha + sum(P); P = P_hi + P_lo (two bf16
-//   halves) and alpha to smem (B2).
+//   P = 2^(S - base), partial row sums l = l*alpha + sum(P) (f32); P as P_hi + P_lo (two bf16
+//   halves; DSV41_P_HILO=0: P_hi only, FlashMLA's precision) and alpha to smem (B2).
 //   PV    O[64 heads][dims 64w..64w+63] = alpha * O + (P_lo + P_hi)[64x64] * V[64 tokens x 64 dims]
 //         (P via ldmatrix, V via ldmatrix.trans from the same K tile: K = V = the latent).
 // Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive,
@@ -73,32 +73,84 @@ DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& secon
   second = make_u4(o[4], o[5], o[6], o[7]);
 }
 
-// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of K buffer `buf` with the tokens at
-// positions tok0 + 16*pw + j (j < 16) of indices row `row` of `pool`, and its 16 bits of the
-// validity mask. Lane l (both half-warps compute the addresses of token l & 15) owns dims
-// 16l..16l+15 of every row: for fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those dims
-// (scale byte l/4: one UE8M0 per 64 dims), lanes 28..31 the 32 bytes of their bf16 RoPE dims;
-// for bf16 every lane reads its 32 bytes. Tokens go in two batches of 8 (8 x 32 B in flight per
-// lane) and are written as two 16-byte chunks per lane.
-DEVFN void produce_tile(char* smem, int buf, const Pool& pool, int64_t row, int len, int tok0, int pw,
-                        int lane) {
-  const int pos = tok0 + 16 * pw + (lane & 15);
-  int32_t idx = -1;
-  if (pos < len) idx = ldg_nc_s32(pool.indices + row * (int64_t)pool.topk + pos);
-  const bool valid = pos < len && idx >= 0 && (int64_t)idx < pool.capacity;
-  const bool fp8 = pool.fmt == kFmtFp8DsMla;  // warp-uniform
-  int64_t doff = 0, soff = 0;
+// A tile to gather: positions tok0..tok0+63 of indices row `row` of `pool` (ok = false: none).
+struct TileSrc {
+  const Pool* pool;
+  int64_t row;
+  int len, tok0;
+  bool ok;
+};
+// This warp's share of a tile's addresses: lane l (both half-warps: token l & 15) holds the
+// byte offsets of token tok0 + 16*pw + (l & 15); vmask bit j = that token is valid.
+struct TileAddr {
+  int64_t doff, soff;
+  uint32_t vmask;
+};
+
+// Producers run a 3-stage look-ahead per tile tc: the indices of tile tc+2 are loaded (no use
+// yet), the addresses of tile tc+1 are computed from the indices loaded one tile earlier and its
+// rows are prefetched into L2, then tile tc is gathered (its rows prefetched one tile earlier).
+// So the index load and the HBM latency of a tile overlap the previous tile's gather.
+DEVFN int32_t tile_index(const TileSrc& t, int pw, int lane) {
+  const int pos = t.tok0 + 16 * pw + (lane & 15);
+  return (t.ok && pos < t.len) ? ldg_nc_s32(t.pool->indices + t.row * (int64_t)t.pool->topk + pos) : -1;
+}
+
+// Warp-uniform in t.ok (ballot inside).
+DEVFN TileAddr tile_addr(const TileSrc& t, int32_t idx, int pw, int lane) {
+  TileAddr a{0, 0, 0u};
+  if (!t.ok) return a;
+  const Pool& pool = *t.pool;
+  const int pos = t.tok0 + 16 * pw + (lane & 15);
+  const bool valid = pos < t.len && idx >= 0 && (int64_t)idx < pool.capacity;
   if (valid) {
-    if (fp8) {
+    if (pool.fmt == kFmtFp8DsMla) {
       const int64_t blk = (int64_t)idx / pool.block_size;
       const int64_t off = (int64_t)idx - blk * pool.block_size;
-      doff = blk * pool.page_bytes + off * kFp8TokenData;
-      soff = blk * pool.page_bytes + (int64_t)pool.block_size * kFp8TokenData + off * kFp8TokenScale;
+      a.doff = blk * pool.page_bytes + off * kFp8TokenData;
+      a.soff = blk * pool.page_bytes + (int64_t)pool.block_size * kFp8TokenData + off * kFp8TokenScale;
     } else {
-      doff = (int64_t)idx * (kHeadDim * 2);
+      a.doff = (int64_t)idx * (kHeadDim * 2);
     }
   }
-  const uint32_t vmask = ballot(valid) & 0xffffu;
+  a.vmask = ballot(valid) & 0xffffu;
+  return a;
+}
+
+// L2 prefetch of this warp's 16 rows of a tile: half-warp h of token l & 15 takes half the lines.
+DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, int lane) {
+  if (!t.ok || !((a.vmask >> (lane & 15)) & 1u)) return;
+  const uint8_t* d = t.pool->base + a.doff;
+  const int h = lane >> 4;
+  if (t.pool->fmt == kFmtFp8DsMla) {  // 576 data bytes (5-6 lines) + 8 scale bytes
+    if (h == 0) {
+      prefetch_l2(d);
+      prefetch_l2(d + 128);
+      prefetch_l2(d + 256);
+      prefetch_l2(t.pool->base + a.soff);
+    } else {
+      prefetch_l2(d + 384);
+      prefetch_l2(d + 512);
+      prefetch_l2(d + kFp8TokenData - 1);
+    }
+  } else {  // 1024 bytes (8-9 lines)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) prefetch_l2(d + 512 * h + 128 * i);
+    if (h == 1) prefetch_l2(d + kHeadDim * 2 - 1);
+  }
+}
+
+// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of K buffer `buf` with its 16 tokens of
+// tile `t` (addresses `a` from tile_addr), and its 16 bits of the validity mask. Lane l owns
+// dims 16l..16l+15 of every row: for fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those
+// dims (scale byte l/4: one UE8M0 per 64 dims), lanes 28..31 the 32 bytes of their bf16 RoPE
+// dims; for bf16 every lane reads its 32 bytes. Tokens go in two batches of 8 (8 x 32 B in
+// flight per lane) and are written as two 16-byte chunks per lane.
+DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, int pw, int lane) {
+  const Pool& pool = *t.pool;
+  const int64_t doff = a.doff, soff = a.soff;
+  const uint32_t vmask = a.vmask;
+  const bool fp8 = pool.fmt == kFmtFp8DsMla;  // warp-uniform
   if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)vmask;
   char* kbuf = smem + kSmemK + buf * (kTileTokens * kHeadDim * 2);
   const uint8_t* base = pool.base;
@@ -143,6 +195,34 @@ DEVFN void produce_tile(char* smem, int buf, const Pool& pool, int64_t row, int 
   }
   // No fence: bar.arrive orders these shared-memory stores before the consumers' bar.sync
   // returns (the PTX ISA's own producer/consumer example: st.shared; bar.arrive / bar.sync; ld.shared).
+}
+
+// The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
+// past the end): look-ahead as described above, FULL / EMPTY hand-off, final drain.
+template <class Next>
+DEVFN void produce_tiles(char* smem, int pw, int lane, Next&& next) {
+  TileSrc t0 = next();
+  TileSrc t1 = next();
+  int32_t i1 = tile_index(t1, pw, lane);
+  TileAddr a0 = tile_addr(t0, tile_index(t0, pw, lane), pw, lane);
+  int tc = 0;
+  for (; t0.ok; ++tc) {
+    const TileSrc t2 = next();
+    const int32_t i2 = tile_index(t2, pw, lane);  // consumed one tile later
+    const TileAddr a1 = tile_addr(t1, i1, pw, lane);
+    tile_prefetch(t1, a1, lane);
+    const int buf = tc & 1;
+    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // consumers released tile tc - 2
+    fill_tile(smem, buf, t0, a0, pw, lane);
+    bar_arrive(kBarFull0 + buf, kThreads);
+    t0 = t1;
+    a0 = a1;
+    t1 = t2;
+    i1 = i2;
+  }
+  // Drain: consume the consumers' EMPTY arrivals of the last two tiles so every barrier phase
+  // completes before the CTA exits.
+  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
 // ============================================================================== consumers
@@ -267,17 +347,20 @@ DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, 
     }
     acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
   }
-  // P = P_hi + P_lo, both bf16 (P_lo = bf16(P - P_hi)): ~16 significant bits. bf16 P alone
-  // (8 bits) misses FlashMLA's output tolerance when |V| is large (see cuda_notes.md).
+  // P_hi = bf16(P) and (DSV41_P_HILO=1, the default) P_lo = bf16(P - P_hi): ~16 significant bits.
+  // bf16 P alone (FlashMLA's precision; DSV41_P_HILO=0) misses FlashMLA's output tolerance on a
+  // few elements per case of tests/attention_cases.py (cuda_notes.md).
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const uint32_t hi = pack_bf16x2(s[j][2 * hr], s[j][2 * hr + 1]);
-      const uint32_t lo = pack_bf16x2(s[j][2 * hr] - bf16_lo(hi), s[j][2 * hr + 1] - bf16_hi(hi));
       const int off = swz128(r0 + 8 * hr, 4 * th + j) + 4 * t;
       *reinterpret_cast<uint32_t*>(ps + off) = hi;
-      *reinterpret_cast<uint32_t*>(ps + kSmemPBytes + off) = lo;
+      if (kPHiLo) {
+        const uint32_t lo = pack_bf16x2(s[j][2 * hr] - bf16_lo(hi), s[j][2 * hr + 1] - bf16_hi(hi));
+        *reinterpret_cast<uint32_t*>(ps + kSmemPBytes + off) = lo;
+      }
     }
   if (th == 0 && t == 0) {
     alpha_s[r0] = alpha[0];
@@ -303,12 +386,12 @@ DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, 
   const int v_chunk = 8 * w + (lane >> 4);
 #pragma unroll
   for (int kk = 0; kk < kTileTokens / 16; ++kk) {
-    uint32_t ph[4][4], pl[4][4];
+    uint32_t ph[4][4], pl[4][4];  // pl: only with DSV41_P_HILO
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) {
       const int off = swz128(16 * mt + (lane & 15), 2 * kk + (lane >> 4));
       ldsm_x4(ph[mt], ps + off);
-      ldsm_x4(pl[mt], ps + kSmemPBytes + off);
+      if (kPHiLo) ldsm_x4(pl[mt], ps + kSmemPBytes + off);
     }
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
@@ -316,8 +399,10 @@ DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, 
       ldsm_x4_trans(vb, ks + swz1024(16 * kk + v_tok, v_chunk + 2 * np));
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
-        mma_bf16_16816(acc.o[mt][2 * np], pl[mt], vb[0], vb[1]);
-        mma_bf16_16816(acc.o[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+        if (kPHiLo) {
+          mma_bf16_16816(acc.o[mt][2 * np], pl[mt], vb[0], vb[1]);
+          mma_bf16_16816(acc.o[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
+        }
         mma_bf16_16816(acc.o[mt][2 * np], ph[mt], vb[0], vb[1]);
         mma_bf16_16816(acc.o[mt][2 * np + 1], ph[mt], vb[2], vb[3]);
       }
@@ -445,23 +530,36 @@ DEVFN DecodeSeg decode_segment(const DecodeParams& p, const DecodeWork& wk, int 
 }
 
 DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, int s, int pw, int lane) {
-  int tc = 0;  // tiles produced by this CTA (all requests): buffer tc & 1
-  for (int req = wk.begin_req; req <= wk.end_req; ++req) {
-    const DecodeSeg sg = decode_segment(p, wk, req);
-    const int64_t row = (int64_t)req * p.s_q + s;
-    for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
-      const int buf = tc & 1;
-      if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // consumers released tile tc - 2
-      if (!p.has_extra || blk < sg.nmain)
-        produce_tile(smem, buf, p.main, row, sg.len_main, blk * kTileTokens, pw, lane);
-      else
-        produce_tile(smem, buf, p.extra, row, sg.len_extra, (blk - sg.nmain) * kTileTokens, pw, lane);
-      bar_arrive(kBarFull0 + buf, kThreads);
-    }
+  // Cursor over the CTA's tiles in the consumers' order: requests begin_req..end_req, blocks
+  // [blk0, blk1) of each (empty segments give no tile).
+  int req = wk.begin_req, blk = 0;
+  DecodeSeg sg{0, 0, 0, 0, 0};
+  if (req <= wk.end_req) {
+    sg = decode_segment(p, wk, req);
+    blk = sg.blk0;
   }
-  // Drain: consume the consumers' EMPTY arrivals of the last two tiles so every barrier phase
-  // completes before the CTA exits.
-  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+  auto next = [&]() -> TileSrc {
+    while (req <= wk.end_req && blk >= sg.blk1) {
+      if (++req > wk.end_req) break;
+      sg = decode_segment(p, wk, req);
+      blk = sg.blk0;
+    }
+    TileSrc t{&p.main, 0, 0, 0, false};
+    if (req > wk.end_req) return t;
+    t.ok = true;
+    t.row = (int64_t)req * p.s_q + s;
+    if (!p.has_extra || blk < sg.nmain) {
+      t.len = sg.len_main;
+      t.tok0 = blk * kTileTokens;
+    } else {
+      t.pool = &p.extra;
+      t.len = sg.len_extra;
+      t.tok0 = (blk - sg.nmain) * kTileTokens;
+    }
+    ++blk;
+    return t;
+  };
+  produce_tiles(smem, pw, lane, next);
 }
 
 DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, int group, int s, int w,
@@ -511,6 +609,113 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem) {
     setmaxnreg_inc<kConsumerRegs>();
     decode_consumers(p, wk, smem, group, s, w, lane);
   }
+}
+
+// ============================================================================== split planner
+// dsv41_jax.scheduler.plan_decode_splits (FlashMLA's greedy split planner) on the device, run
+// by one warp before the decode kernel (same stream), writing the plan the decode CTAs read.
+// blocks(i) = ceil(L / 64) with L = max(len_i, 1), or with an extra cache
+// L = roundup(max(len_i, 1), 64) + extra_len_i; lengths clamped to [0, topk] as in the decode
+// kernel (decode_segment counts the same blocks). Every part gets the budget
+// ceil(sum_i(blocks(i) + ov) / parts) + ov, takes whole requests (blocks + ov) while they fit,
+// then splits the next one when more than ov is left. The walk is serial: every lane runs it
+// on warp-uniform values and reads blocks(req) by shuffle from a 32-request register window
+// (lane l holds request base + l) whose successor's lengths are loaded one window ahead.
+// Records: [begin_req, end_req, begin_blk, end_blk, begin_split, first_split, last_split, 0];
+// num_splits[0] = 0, num_splits[i + 1] = cumulative pieces of requests 0..i (0 for requests
+// no part reached, as in the JAX version). Assumes sum_i(blocks(i) + ov) < 2^31.
+DEVFN void plan_load(const PlanParams& p, int i, int32_t& len, int32_t& elen) {
+  len = 0;
+  elen = 0;
+  if (i < p.b) {
+    len = ldg_nc_s32(p.lengths + i);
+    if (p.has_extra) elen = ldg_nc_s32(p.extra_lengths + i);
+  }
+}
+
+DEVFN int plan_blocks(const PlanParams& p, int32_t len, int32_t elen) {
+  int l = clamp_len(len, p.topk);
+  if (l == 0) l = 1;
+  if (p.has_extra) l = (l + kTileTokens - 1) / kTileTokens * kTileTokens + clamp_len(elen, p.extra_topk);
+  return (l - 1) / kTileTokens + 1;
+}
+
+DEVFN void plan_warp(const PlanParams& p, int lane) {
+  const int b = p.b, parts = p.num_parts, ov = p.fixed_overhead;
+  // ---- total = sum(blocks + ov), payload per part
+  uint32_t total = 0;
+#pragma unroll 4
+  for (int i = lane; i < b; i += 32) {
+    int32_t l, e;
+    plan_load(p, i, l, e);
+    total += (uint32_t)(plan_blocks(p, l, e) + ov);
+  }
+#pragma unroll
+  for (int m = 16; m; m >>= 1) total += shfl_xor_u32(total, m);
+  const int payload = ((int)total + parts - 1) / parts + ov;
+
+  // ---- the greedy walk
+  int32_t cl, ce, nl, ne;
+  plan_load(p, lane, cl, ce);
+  plan_load(p, 32 + lane, nl, ne);
+  int cur = plan_blocks(p, cl, ce);  // blocks(base + lane)
+  int base = 0;
+  int req = 0, blk = 0, nsplit = 0, cum = 0;
+  int nb = 0;                                    // blocks(req) of the last step
+  int prev_nb = (int)shfl_idx_u32((uint32_t)cur, 0);  // blocks(max(req - 1, 0))
+  if (lane == 0) p.num_splits[0] = 0;
+  for (int part = 0; part < parts; ++part) {
+    const int begin_req = req, begin_blk = blk, begin_split = nsplit;
+    int first = blk != 0 ? 1 : 0;
+    int remain = payload;
+    while (req < b) {
+      if (req - base == 32) {  // next window (req grows by one per step)
+        base += 32;
+        cur = plan_blocks(p, nl, ne);
+        plan_load(p, base + 32 + lane, nl, ne);
+      }
+      nb = (int)shfl_idx_u32((uint32_t)cur, req - base);
+      const int left = nb - blk;
+      if (remain >= left + ov) {  // the rest of request req fits
+        cum += nsplit + 1;
+        if (lane == 0) p.num_splits[req + 1] = cum;
+        remain -= left + ov;
+        prev_nb = nb;
+        ++req;
+        blk = 0;
+        nsplit = 0;
+      } else {
+        if (remain - ov > 0) {  // split it: this part takes remain - ov blocks
+          blk += remain - ov;
+          ++nsplit;
+          remain = 0;
+        }
+        break;
+      }
+    }
+    const int end_req = blk > 0 ? req : req - 1;
+    const int end_blk = blk > 0 ? blk : prev_nb;
+    int last = (blk > 0 && end_blk != nb) ? 1 : 0;
+    if (begin_req == end_req) first = last = (first | last);
+    if (lane == 0) {
+      int32_t* row = p.sched + (int64_t)part * 8;
+      row[0] = begin_req;
+      row[1] = end_req;
+      row[2] = begin_blk;
+      row[3] = end_blk;
+      row[4] = begin_split;
+      row[5] = first;
+      row[6] = last;
+      row[7] = 0;
+    }
+  }
+  for (int i = req + 1 + lane; i <= b; i += 32) p.num_splits[i] = 0;
+}
+
+// device_plan == 0: copy the plan computed elsewhere (the JAX planner) into the plan results.
+DEVFN void plan_copy(const PlanParams& p, int tid, int nthreads) {
+  for (int64_t i = tid; i < (int64_t)p.num_parts * 8; i += nthreads) p.sched[i] = p.sched_in[i];
+  for (int64_t i = tid; i <= p.b; i += nthreads) p.num_splits[i] = p.num_splits_in[i];
 }
 
 // ============================================================================== combine
@@ -590,14 +795,13 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem) {
   const int ntiles = (len + kTileTokens - 1) / kTileTokens;
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<kProducerRegs>();
-    const int pw = w - kConsumerWarps;
-    for (int tc = 0; tc < ntiles; ++tc) {
-      const int buf = tc & 1;
-      if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);
-      produce_tile(smem, buf, p.kv, s, len, tc * kTileTokens, pw, lane);
-      bar_arrive(kBarFull0 + buf, kThreads);
-    }
-    for (int i = ntiles - 2 < 0 ? 0 : ntiles - 2; i < ntiles; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+    int tn = 0;
+    auto next = [&]() -> TileSrc {
+      TileSrc t{&p.kv, s, len, tn * kTileTokens, tn < ntiles};
+      tn += tn < ntiles ? 1 : 0;
+      return t;
+    };
+    produce_tiles(smem, w - kConsumerWarps, lane, next);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     Acc acc;

@@ -7,8 +7,9 @@
 
 namespace dsv41 {
 
-// Enqueue the decode kernel and the split combine kernel on `stream`. No allocation, no sync.
-cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
+// Enqueue the split planner (or the copy of a given plan), the decode kernel and the split
+// combine kernel on `stream`. No allocation, no sync.
+cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStream_t stream);
 // Enqueue the prefill kernel on `stream`.
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
 

@@ -15,6 +15,17 @@ constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
 constexpr int kProducerRegs = 104;  // setmaxnreg: 2 x 200 + 104 = 504 <= 512 registers per lane slot
 constexpr int kConsumerRegs = 200;
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
+constexpr int kPlanThreads = 32;                                  // the split planner: one warp
+constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)
+
+// P (softmax probabilities) precision for P.V. 1 (default): P = P_hi + P_lo, two bf16 MMAs
+// (~16 significant bits, 1.5x the tensor work); 0: plain bf16 P, as FlashMLA does (misses the
+// FlashMLA output tolerance on a few elements of the tests' cases, see cuda_notes.md; build with
+// `python -m cuda_ffi.build --p-precision bf16` to time it).
+#ifndef DSV41_P_HILO
+#define DSV41_P_HILO 1
+#endif
+constexpr int kPHiLo = DSV41_P_HILO;
 
 enum KvFormat : int32_t { kFmtBf16 = 0, kFmtFp8DsMla = 1 };
 
@@ -49,6 +60,17 @@ struct DecodeParams {
   int32_t b, s_q, h_pad, num_groups, num_parts, has_extra;
 };
 
+// The decode split planner (dsv41_jax.scheduler.plan_decode_splits, run on the device).
+struct PlanParams {
+  const int32_t* lengths;        // int32 [b] main lengths (clamped to [0, topk] here)
+  const int32_t* extra_lengths;  // int32 [b] (has_extra) or unused
+  int32_t* sched;                // int32 [num_parts, 8]
+  int32_t* num_splits;           // int32 [b + 1]
+  const int32_t* sched_in;       // device_plan == 0: a precomputed plan copied into sched / num_splits
+  const int32_t* num_splits_in;
+  int32_t b, num_parts, topk, extra_topk, has_extra, fixed_overhead, device_plan, pad_;
+};
+
 struct PrefillParams {
   const uint16_t* q;   // bf16 [s_q, h_pad, 512]
   const float* sink;   // f32 [h_pad]
@@ -63,14 +85,14 @@ struct PrefillParams {
 // Shared-memory map of the attention CTA (bytes).
 constexpr int kSmemQ = 0;                                    // bf16 [64][512], swizzled
 constexpr int kSmemK = kSmemQ + kHeadsPerCta * kHeadDim * 2;  // bf16 [2][64][512], swizzled
-constexpr int kSmemP = kSmemK + 2 * kTileTokens * kHeadDim * 2;  // bf16 [hi, lo][64][64], swizzled
+constexpr int kSmemP = kSmemK + 2 * kTileTokens * kHeadDim * 2;  // bf16 [hi (, lo)][64][64], swizzled
 constexpr int kSmemPBytes = kHeadsPerCta * kTileTokens * 2;         // one of P_hi / P_lo
-constexpr int kSmemRowMax = kSmemP + 2 * kSmemPBytes;                // f32 [2][64]
+constexpr int kSmemRowMax = kSmemP + (1 + kPHiLo) * kSmemPBytes;     // f32 [2][64]
 constexpr int kSmemAlpha = kSmemRowMax + 2 * 64 * 4;                 // f32 [64]
 constexpr int kSmemLsum = kSmemAlpha + 64 * 4;                       // f32 [2][64]
 constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                    // f32 [64]
 constexpr int kSmemValid = kSmemMfin + 64 * 4;                       // u16 [2 buffers][4 producer warps]
-constexpr int kSmemBytes = kSmemValid + 16;                          // 214544 B
+constexpr int kSmemBytes = kSmemValid + 16;                          // 214544 B (206352 with plain bf16 P)
 static_assert(kSmemBytes <= 227 * 1024, "attention CTA shared memory exceeds the sm_90 limit");
 
 }  // namespace dsv41

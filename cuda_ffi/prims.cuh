@@ -83,6 +83,7 @@ DEVFN void setmaxnreg_dec() {
 #if DSV41_DEVICE
 DEVFN float shfl_xor_f32(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 DEVFN uint32_t shfl_idx_u32(uint32_t v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+DEVFN uint32_t shfl_xor_u32(uint32_t v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 DEVFN uint32_t ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 #else
 inline float shfl_xor_f32(float v, int m) {
@@ -94,6 +95,12 @@ inline float shfl_xor_f32(float v, int m) {
 inline uint32_t shfl_idx_u32(uint32_t v, int src) {
   uint32_t r;
   emu::warp_collective(emu::kTagShfl, &v, sizeof v, [&](auto& d) { std::memcpy(&r, d[src & 31], sizeof r); });
+  return r;
+}
+inline uint32_t shfl_xor_u32(uint32_t v, int m) {
+  uint32_t r;
+  int lane = lane_idx();
+  emu::warp_collective(emu::kTagShfl, &v, sizeof v, [&](auto& d) { std::memcpy(&r, d[lane ^ m], sizeof r); });
   return r;
 }
 inline uint32_t ballot(bool p) {
@@ -123,6 +130,14 @@ inline uint4 ldg_nc_v4(const void* p) { uint4 r; std::memcpy(&r, p, 16); return 
 inline uint32_t ldg_nc_u8(const void* p) { return *reinterpret_cast<const unsigned char*>(p); }
 inline int32_t ldg_nc_s32(const int32_t* p) { return *p; }
 inline float ldg_nc_f32(const float* p) { return *p; }
+#endif
+
+// L2 prefetch of the cache line holding `p` (a hint: no result, no fault semantics relied on;
+// only called on addresses inside the cache). A no-op in the emulator.
+#if DSV41_DEVICE
+DEVFN void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#else
+inline void prefetch_l2(const void*) {}
 #endif
 
 // ------------------------------------------------------------------------------ conversions

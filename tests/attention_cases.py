@@ -189,7 +189,7 @@ def make_decode_case(
     block_size: int = 64,
     fmt: str = "fp8_ds_mla",
     s_kv: int | None = None,
-    lengths: str = "var",  # "full" | "var" | "zero"
+    lengths="var",  # "full" | "var" | "zero" | explicit int array [b]
     invalid_frac: float = 0.1,
     all_invalid_row: bool = False,
     sink: str = "random",  # "none" | "random" | "inf"
@@ -200,10 +200,13 @@ def make_decode_case(
     s_kv = s_kv or max(topk, 32)
     nb = -(-(s_kv + s_kv // 2) // block_size)
     cache, written = _poisoned_cache(rng, nb, block_size, fmt, min(s_kv, nb * block_size))
-    lens = {"full": np.full(b, topk), "zero": np.zeros(b, int), "var": rng.integers(0, topk + 1, size=b)}[lengths]
-    if lengths == "var" and b > 1:
-        lens[0] = topk
-    idx = _indices(rng, (b, s_q, topk), written, nb * block_size, invalid_frac, lens, poison_tail=True)
+    if isinstance(lengths, str):
+        lens = {"full": np.full(b, topk), "zero": np.zeros(b, int), "var": rng.integers(0, topk + 1, size=b)}[lengths]
+        if lengths == "var" and b > 1:
+            lens[0] = topk
+    else:  # explicit per-request lengths, possibly < 0 or > topk (the ops clamp them)
+        lens = np.asarray(lengths).reshape(b)
+    idx = _indices(rng, (b, s_q, topk), written, nb * block_size, invalid_frac, np.clip(lens, 0, topk), poison_tail=True)
     if all_invalid_row:
         idx[b - 1] = rng.choice([-1, INT_MIN, INT_MAX, nb * block_size], size=(s_q, topk))
     q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 512)), jnp.bfloat16)

@@ -11,6 +11,9 @@
    handlers. Decode and prefill cases of the shared grid (plus split-heavy, multi-group and
    multi-request shapes) are compared with the float64 oracle under FlashMLA's tolerances, and
    two runs under different thread interleavings must agree bitwise.
+4. The device split planner (one warp, run by the emulator) against
+   `dsv41_jax.scheduler.plan_decode_splits` bit for bit on many random cases, and the plan the
+   decode FFI call returns (plan="device" and plan="jax").
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 
 import cuda_ffi
 from cuda_ffi import build as cbuild
-from dsv41_jax import sparse_mla_decode, sparse_mla_prefill
+from dsv41_jax import plan_decode_splits, sparse_mla_decode, sparse_mla_prefill
 from dsv41_jax.attention import DecodeCall, PrefillCall, _make_decode_call, _make_prefill_call
 from tests.attention_cases import (
     DECODE_GRID,
@@ -130,6 +133,8 @@ def test_decode_lowers_to_custom_call(cuda_lib, fmt, extra):
     text, shapes = _lower_decode(case)
     assert "dsv41_sparse_mla_decode" in text
     assert shapes == [(2, 3, 20, 512), (2, 3, 20)]
+    # the plan is computed by the handler's planner kernel: no XLA while loops in the module
+    assert "stablehlo.while" not in text and "device_plan = 1" in text
 
 
 def test_prefill_lowers_to_custom_call(cuda_lib):
@@ -271,7 +276,113 @@ def test_handler_checks_name_the_argument(emu):
         run_decode_ffi(bad, attrs, results)
     with pytest.raises(ValueError, match="kv_cache block_size: expected 1..1048576, got 0"):
         run_decode_ffi(args, dict(attrs, block_size=np.int64(0)), results)
+    with pytest.raises(ValueError, match="device_plan: expected 0 or 1, got 2"):
+        run_decode_ffi(args, dict(attrs, device_plan=np.int64(2)), results)
+    # plan="jax": the plan inputs must match the plan results
+    jargs, jattrs, jresults, _ = _ops.prepare_decode(_decode_call(case), num_sms=8, plan="jax")
+    bad = list(jargs)
+    bad[6] = bad[6][:-1]  # num_splits
+    with pytest.raises(ValueError, match=r"num_splits: expected shape \[4\], got \[3\]"):
+        run_decode_ffi(bad, jattrs, jresults)
+    with pytest.raises(ValueError, match="plan must be one of"):
+        _ops.prepare_decode(_decode_call(case), plan="host")
     pcase = make_prefill_case(26, s_q=2, h_q=4, topk=64)
     pargs, pattrs, presults, _ = _ops.prepare_prefill(_prefill_call(pcase))
     with pytest.raises(ValueError, match=r"q: expected the head count padded to a positive multiple of 64"):
         run_prefill_ffi((pcase.q,) + tuple(pargs[1:]), pattrs, presults)
+
+
+# ------------------------------------------------------------------------------ the split planner (emulated)
+def _random_plan_case(rng, b):
+    topk = int(rng.choice([64, 2048, 20000]))
+    mode = int(rng.integers(0, 4))
+    if mode == 0:
+        tl = rng.integers(0, 20001, b)
+    elif mode == 1:
+        tl = np.full(b, topk)
+    elif mode == 2:
+        tl = rng.integers(-5, 130, b)  # short requests, zeros, negatives
+    else:
+        tl = np.where(rng.random(b) < 0.5, 0, rng.integers(0, 20001, b))
+    tl = np.clip(tl, 0, topk).astype(np.int32)  # the wrapper's clamp (the planner clamps too)
+    et = None
+    if rng.random() < 0.5:
+        et = np.clip(rng.integers(0, 5000, b), 0, 4096).astype(np.int32)
+    return tl, topk, et
+
+
+# (b, num_sm_parts): one compile of plan_decode_splits each (with and without extra), many length draws
+PLAN_SHAPES = [(1, 1), (3, 66), (7, 3), (33, 2), (128, 33), (128, 66), (257, 132), (300, 17), (300, 200)]
+
+
+@pytest.mark.parametrize("b,parts", PLAN_SHAPES)
+def test_emulated_planner_matches_plan_decode_splits(emu, b, parts):
+    from cuda_ffi.emulate import plan_emulated
+
+    rng = np.random.default_rng(1000 * b + parts)
+    jplan = jax.jit(lambda t: plan_decode_splits(t, topk=1 << 20, num_sm_parts=parts))
+    jplan_x = jax.jit(lambda t, e: plan_decode_splits(t, topk=1 << 20, num_sm_parts=parts, extra_topk_length=e))
+    for _ in range(8):
+        tl, topk, et = _random_plan_case(rng, b)
+        meta, splits = plan_emulated(tl, topk=topk, num_sm_parts=parts, extra_topk_length=et,
+                                     extra_topk=4096, seed=int(rng.integers(1 << 30)))
+        want = jplan(tl) if et is None else jplan_x(tl, et)
+        np.testing.assert_array_equal(meta, np.asarray(want[0]), err_msg=f"metadata b={b} parts={parts}")
+        np.testing.assert_array_equal(splits, np.asarray(want[1]), err_msg=f"num_splits b={b} parts={parts}")
+
+
+def test_emulated_planner_many_random_cases(emu, plan_oracle):
+    # 300 more draws (b up to 300, lengths 0..20000, with/without extra, several part counts) against
+    # the plain-Python FlashMLA planner, which tests/test_scheduler.py ties to plan_decode_splits.
+    from cuda_ffi.emulate import plan_emulated
+
+    rng = np.random.default_rng(7)
+    for i in range(300):
+        b = int(rng.integers(1, 301))
+        parts = int(rng.choice([1, 2, 3, 5, 16, 33, 66, 132, 264]))
+        tl, topk, et = _random_plan_case(rng, b)
+        meta, splits = plan_emulated(tl, topk=topk, num_sm_parts=parts, extra_topk_length=et, extra_topk=4096,
+                                     seed=i)
+        rows, ns = plan_oracle(tl.tolist(), topk=topk, num_sm_parts=parts,
+                               extra_topk_length=None if et is None else et.tolist())
+        np.testing.assert_array_equal(meta, np.asarray(rows, np.int32), err_msg=f"case {i}: b={b} parts={parts}")
+        np.testing.assert_array_equal(splits, np.asarray(ns, np.int32), err_msg=f"case {i}: b={b} parts={parts}")
+
+
+def test_emulated_planner_clamps_like_the_kernel(emu):
+    # lengths past topk / negative are clamped to [0, topk] (the decode kernel's clamp_len), so the
+    # plan equals plan_decode_splits of the clamped lengths
+    from cuda_ffi.emulate import plan_emulated
+
+    tl = np.array([-7, 0, 5000, 63, 64, 65, 1 << 30], np.int32)
+    et = np.array([9000, -1, 0, 1, 4096, 100, 7], np.int32)
+    meta, splits = plan_emulated(tl, topk=2048, num_sm_parts=9, extra_topk_length=et, extra_topk=512)
+    want = plan_decode_splits(jnp.clip(tl, 0, 2048), topk=2048, num_sm_parts=9,
+                              extra_topk_length=jnp.clip(et, 0, 512))
+    np.testing.assert_array_equal(meta, np.asarray(want[0]))
+    np.testing.assert_array_equal(splits, np.asarray(want[1]))
+
+
+def test_emulated_decode_returns_its_plan(emu):
+    # the decode FFI contract: the plan the kernels used comes back; device and jax plans agree, and so do
+    # the outputs (bitwise: same plan, same accumulation order)
+    from cuda_ffi.emulate import decode_emulated
+
+    case = make_decode_case(27, b=5, s_q=1, h_q=8, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            extra=dict(topk=128, block_size=2, fmt="bf16"))
+    call = _decode_call(case)
+    dev = decode_emulated(call, num_sms=16, return_plan=True)
+    jx = decode_emulated(call, num_sms=16, plan="jax", return_plan=True)
+    topk = call.indices.shape[2]
+    tl = jnp.clip(call.topk_length, 0, topk)
+    etl = jnp.clip(call.extra_topk_length, 0, call.extra_indices.shape[2])
+    want = plan_decode_splits(tl, topk=topk, num_sm_parts=16, extra_topk_length=etl)
+    for got in (dev, jx):
+        np.testing.assert_array_equal(got[2], np.asarray(want[0]))
+        np.testing.assert_array_equal(got[3], np.asarray(want[1]))
+    assert np.asarray(want[1])[-1] > 5, "the case should split some requests"
+    for x, y in zip(dev[:2], jx[:2]):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    e_out, e_lse = case.expected()
+    assert_close(dev[0], e_out, "decode_out", "out")
+    assert_close(dev[1], e_lse, "decode_lse", "lse")

@@ -7,7 +7,10 @@ Run on the GPU machine from the repository root:
 - split-heavy shapes (b=4 with topk 2048 + extra 1024, h=128; b=128, s_q=2, h=128, topk=2048)
   against the xla reference;
 - poison: every unused cache slot is NaN / 0xFF and indices past topk_length point at them;
-- determinism: two runs are bitwise equal.
+- determinism: two runs are bitwise equal;
+- the split plan computed on the device by the FFI handler's planner kernel (returned as extra FFI
+  results) equals `plan_decode_splits` bit for bit, and plan="device" / plan="jax" give bitwise
+  equal outputs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ if jax.default_backend() != "gpu":
     pytest.skip(f"needs a CUDA GPU: jax.default_backend() is {jax.default_backend()!r}", allow_module_level=True)
 
 import cuda_ffi  # noqa: E402
-from dsv41_jax import sparse_mla_decode, sparse_mla_prefill  # noqa: E402
+from cuda_ffi import _ops  # noqa: E402
+from dsv41_jax import num_sm_parts_for, plan_decode_splits, sparse_mla_decode, sparse_mla_prefill  # noqa: E402
+from dsv41_jax.attention import _make_decode_call  # noqa: E402
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
     PREFILL_GRID,
@@ -141,3 +146,53 @@ def test_deterministic():
     a, b = f(*pcase.args()), f(*pcase.args())
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def _call(case):
+    kw = case.kwargs()
+    return _make_decode_call(case.q, case.kv_cache, case.indices, case.topk_length, kw["kv_format"],
+                             kw["block_size"], kw["softmax_scale"], kw["attn_sink"], kw.get("extra_kv_cache"),
+                             kw.get("extra_indices"), kw.get("extra_topk_length"), kw.get("extra_kv_format"),
+                             kw.get("extra_block_size"))
+
+
+@pytest.mark.parametrize("kw,lengths", [
+    (dict(b=128, s_q=2, h_q=128, topk=2048, block_size=64, fmt="fp8_ds_mla", s_kv=8192, lengths="full"), None),
+    (dict(b=300, s_q=1, h_q=16, topk=2048, block_size=64, fmt="fp8_ds_mla", s_kv=4096), "random"),
+    (dict(b=77, s_q=3, h_q=64, topk=512, block_size=2, fmt="bf16", s_kv=1000,
+          extra=dict(topk=256, block_size=64, fmt="fp8_ds_mla")), "random"),
+    (dict(b=5, s_q=1, h_q=8, topk=1024, block_size=64, fmt="fp8_ds_mla", s_kv=2000), "zeros"),
+], ids=["b128_h128_full", "b300_random", "b77_extra_random", "b5_zeros"])
+def test_device_plan_matches_plan_decode_splits(kw, lengths):
+    rng = np.random.default_rng(5)
+    if lengths == "random":  # out of range on purpose: the op clamps to [0, topk]
+        kw = {**kw, "lengths": rng.integers(-3, kw["topk"] + 50, kw["b"])}
+    elif lengths == "zeros":
+        kw = {**kw, "lengths": "zero"}
+    case = make_decode_case(71, **kw)
+    call = _call(case)
+    out, lse, meta, splits = jax.jit(lambda: _ops.decode_with_plan(call))()
+    topk = call.indices.shape[2]
+    parts = num_sm_parts_for("sm90", num_sms=_ops.default_num_sms(), s_q=kw["s_q"], h_q=kw["h_q"])
+    etl = None
+    if call.has_extra:
+        etl = jnp.clip(call.extra_topk_length, 0, call.extra_indices.shape[2])
+    w_meta, w_splits = plan_decode_splits(jnp.clip(call.topk_length, 0, topk), topk=topk, num_sm_parts=parts,
+                                          extra_topk_length=etl)
+    np.testing.assert_array_equal(np.asarray(meta), np.asarray(w_meta))
+    np.testing.assert_array_equal(np.asarray(splits), np.asarray(w_splits))
+    out_j, lse_j, _, _ = jax.jit(lambda: _ops.decode_with_plan(call, plan="jax"))()
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_j, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_j))
+    e_out, e_lse = case.expected() if kw["b"] <= 128 and kw["h_q"] <= 64 else (None, None)
+    if e_out is not None:
+        assert_close(out, e_out, "decode_out", "out")
+        assert_close(lse, e_lse, "decode_lse", "lse")
+
+
+def test_public_op_has_no_xla_loops():
+    # the plan is computed inside the FFI call: no while loops in the compiled public op
+    case = make_decode_case(72, b=8, s_q=2, h_q=64, topk=256, fmt="fp8_ds_mla")
+    f = jax.jit(lambda *a: sparse_mla_decode(*a, impl="cuda", **case.kwargs()))
+    hlo = f.lower(*case.args()).compile().as_text()
+    assert " while(" not in hlo and "dsv41_sparse_mla_decode" in hlo
