@@ -1,0 +1,65 @@
+"""`impl="pallas"`: sparse MLA decode and prefill as Pallas Mosaic GPU kernels (`plgpu.kernel`).
+
+Importing this package touches no GPU: it registers the decode and prefill implementations with
+`dsv41_jax.attention` (always, so CPU tests can trace and interpret them) and an availability
+probe with `dsv41_jax.backends` that reports the kernels runnable only when the default JAX
+backend is a GPU of compute capability 9.x (Hopper) or 10.x (Blackwell, which runs the same
+SM90-style wgmma kernel for now).
+
+Formats read: "bf16" and "fp8_ds_mla" (main and extra cache, any page size, any mix).
+"mxfp8_ds_mla" / "nvfp4_ds_mla" calls are refused by `supports`, so `impl="auto"` falls back
+to "xla". Any head count: heads are padded to a multiple of 64 internally (one program per 64
+heads) and the padding is sliced off. On a machine without a GPU the kernels run in Mosaic GPU
+interpret mode (slow; see `pallas_kernels._interpret`).
+
+Design, numbers and limits: `pallas_kernels._kernel` and benchmarks/pallas_notes.md.
+"""
+
+from __future__ import annotations
+
+from dsv41_jax.attention import DecodeCall, PrefillCall, register_decode_impl, register_prefill_impl
+from dsv41_jax.backends import register_impl_availability
+
+from pallas_kernels import _ops
+
+__all__ = ["availability_reason", "decode", "prefill", "supports_decode", "supports_prefill", "num_splits_override",
+           "kernel_options"]
+
+decode = _ops.decode
+prefill = _ops.prefill
+num_splits_override = _ops.num_splits_override
+kernel_options = _ops.kernel_options
+
+
+def availability_reason() -> str | None:
+    """None when the kernels can run natively here (a CUDA GPU of compute capability 9.x / 10.x)."""
+    import jax
+
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return f"pallas Mosaic GPU kernels need a CUDA GPU (default backend is {backend!r})"
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    try:
+        major = int(str(cc).split(".")[0])
+    except ValueError:
+        return f"cannot read the GPU's compute capability ({cc!r})"
+    if major not in (9, 10):
+        return f"pallas Mosaic GPU kernels need compute capability 9.x or 10.x, got {cc}"
+    return None
+
+
+def supports_decode(call: DecodeCall) -> str | None:
+    why = _ops.unsupported_reason(call.kv_format, call.kv_cache)
+    if why is None and call.has_extra:
+        why = _ops.unsupported_reason(call.extra_kv_format, call.extra_kv_cache)
+    return why
+
+
+def supports_prefill(call: PrefillCall) -> str | None:
+    return None
+
+
+register_decode_impl("pallas", decode, supports=supports_decode)
+register_prefill_impl("pallas", prefill, supports=supports_prefill)
+register_impl_availability("pallas", availability_reason)

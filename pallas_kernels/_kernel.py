@@ -1,0 +1,512 @@
+"""One Mosaic GPU (`plgpu.kernel`) program for sparse MLA attention rows, shared by decode and prefill.
+
+A *row* is one query token (decode: one (request, s_q) pair; prefill: one query). Each row attends
+over the union of up to two token *pools* (decode: the main and the extra cache; prefill: `kv`),
+each given per row as a list of byte offsets / row numbers (-1 = masked) prepared by `_ops.py`.
+
+Program (CTA) = (row, split, 64-head group), a 1-D grid (rows may exceed 65535); heads are padded
+to a multiple of 64 by the caller (the wgmma M is 64). Three warpgroups (Pallas "threads", "wg"),
+lane-level lowering semantics (`LoweringSemantics.Lane`: explicit register layouts):
+
+- wg 2, the *memory* warpgroup (40 registers): copies the Q tile (TMA, swizzled), then for every
+  64-token block: the block's 64 source offsets (one 256 B TMA into SMEM), the block's scale bytes
+  (fp8 pools, one 1 KiB TMA), and one bulk copy (`cp.async.bulk`) per selected token straight from
+  the paged cache bytes into a raw staging buffer: 640 B for an fp8_ds_mla record (the 576 B
+  record + 64 B of the next record or of the page's scale area, never past the page: lane-level
+  copies must be multiples of 128 B) or 1 KiB for a bf16 row. Masked tokens are never read: their
+  copy is skipped and a plain arrive keeps the barrier count.
+- wg 0 and wg 1, the *compute* warpgroups (232 registers): warpgroup w owns latent dims
+  [256 w, 256 w + 256). Per block it dequantizes its dims of the staged tokens into its half of
+  the bf16 K tile (swizzled SMEM, the wgmma operand layout): e4m3 * 2^(e - 127) for NoPE tiles,
+  and for the RoPE tile the little-endian bf16 bytes recombined exactly by a small integer wgmma
+  (`_rope_combiner`: lo + 256 hi, since Pallas has no width-changing bitcast); every masked
+  token's row is forced to 0 (select, so NaN/garbage never enters a matmul). Then
+  S = Q K^T (wgmma): with `qk_exchange` each warpgroup contracts its own 256 dims and the two f32
+  partials meet in one 16 KiB SMEM buffer (wg 0 posts S_0; wg 1 reads it and posts S_1; both sum
+  S_0 + S_1 in that order, so both hold bitwise-identical scores); otherwise (bf16 + fp8 pools,
+  whose two staging views leave no room for the buffer) both contract all 512 dims. Both run the same online softmax (exp2 domain, masked columns -inf,
+  running max starts at -inf with a guard so (-inf) - (-inf) never occurs) and accumulate their
+  own half of O += P V (wgmma, P from registers, V = the K tile: K = V = the latent) with
+  P = P_hi + P_lo in two bf16 terms: one bf16 P (FlashMLA's choice) misses the output tolerance
+  on rows mixing large and small values.
+
+Synchronization: `q_bar` (Q + sink landed), `idx_full` / `stage_full` (a block's offsets / data
+landed), `stage_free` (both compute warpgroups are done with the staging buffer; the memory
+warpgroup fences the async proxy before refilling it), `x_a` / `x_b` (partial-score exchange)
+or `k_ready` / `k_free` (shared K tile, without the exchange). Staging and K are single-buffered
+(SMEM: Q 64 KiB + K 64 KiB + staging 41 KiB fp8 / 65 KiB bf16 + RoPE combiner 16 KiB +
+exchange 16 KiB), so the gather of block n+1 overlaps the matmuls and softmax of block n but the
+dequantization does not overlap the matmuls.
+
+Outputs: with one split, the final bf16 O (normalized, sink in the denominator), the natural-log
+lse (+inf for an empty row, sink excluded) and max_logits (-inf when empty); with several
+splits, f32 partials (O / l, and lse / max with -inf when empty) for `_ops.combine_splits`.
+Written directly from registers to global memory.
+
+Interpreter differences (`spec.interpret`, see `_interpret.py`): Mosaic GPU interpret mode takes
+wgmma A operands from SMEM only and cannot store into an accumulator, so P and the RoPE bytes are
+staged in SMEM and P V is added to O after the wgmma; everything else is the same program.
+
+SM100 (Blackwell) runs this same SM90-style kernel for now (wgmma; no tcgen05/TMEM, no TMA gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _interpret
+
+__all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "FP8_COPY_BYTES", "smem_bytes"]
+
+T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
+HB = 64  # heads per program (the wgmma M)
+D = 512
+HALF = 256
+NOPE = 448
+FP8_RECORD = 576
+FP8_COPY_BYTES = 640  # bulk copies are multiples of 128 B (one arrive per thread of the warpgroup)
+FP8_PITCH = 656  # staging row pitch: 164 words, rows 4 banks apart -> conflict-free wgmma-layout loads
+BF16_PITCH = 520  # bf16 elements; 1040 B = 260 words, likewise
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_SMEM_LIMIT = 232448  # bytes of dynamic SMEM a Hopper CTA may use
+
+_TILE = plgpu.TilingTransform((8, 64))
+_SWZ = plgpu.SwizzleTransform(128)
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, n] wgmma-layout tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """A token pool: `fmt` "fp8_ds_mla" (uint8 byte view of the cache) or "bf16" (rows [n, 512]);
+    `kpad` the per-row index count, a multiple of T."""
+
+    fmt: str
+    kpad: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    rows: int
+    heads: int  # padded, a multiple of HB
+    pools: tuple[PoolSpec, ...]
+    num_splits: int
+    softmax_scale: float
+    has_sink: bool
+    interpret: bool  # trace the interpreter-compatible formulation
+    qk_exchange: bool = True  # split Q K^T by dims across the two compute warpgroups (else both do all)
+    p_split: bool = True  # P V as (P_hi + P_lo) V; False only for timing experiments (misses tolerances)
+
+    @property
+    def head_groups(self) -> int:
+        return self.heads // HB
+
+    @property
+    def final(self) -> bool:
+        return self.num_splits == 1
+
+    @property
+    def has_fp8(self) -> bool:
+        return any(p.fmt == "fp8_ds_mla" for p in self.pools)
+
+    @property
+    def has_bf16(self) -> bool:
+        return any(p.fmt == "bf16" for p in self.pools)
+
+
+def smem_bytes(spec: KernelSpec) -> int:
+    """Dynamic SMEM the kernel asks for, with 1 KiB alignment per buffer (what Mosaic GPU pads to)."""
+    def al(n):
+        return -(-n // 1024) * 1024
+
+    stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
+    total = 2 * al(HB * D * 2) + al(stage) + al(T * 4) + 3072  # Q, K, staging, indices, barriers, slack
+    if spec.has_fp8:
+        total += al(T * 16) + al(128 * 64 * 2)  # scale bytes, RoPE combiner
+    if spec.has_sink:
+        total += al(HB * 4)
+    if spec.qk_exchange:
+        total += al(HB * T * 4)
+    return total
+
+
+def build_kernel(spec: KernelSpec):
+    """Returns `f(q, counts, [sink], *pool_operands) -> (out, lse, max_logits)`.
+
+    q: bf16 [R, Hp, 512]; counts: int32 [R, n_pools] (64-token blocks per row and pool); sink:
+    f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8 [bytes]; bf16: bf16
+    [rows, 512]), src int32 [R, kpad] (byte offset of the record / row number, -1 = masked),
+    and for fp8 pools scales uint8 [R, kpad, 16] (the 7 UE8M0 bytes of each entry, zero-padded to
+    16 B for TMA strides; 0 when masked).
+    Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp]; split mode
+    returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
+    """
+    R, Hp, NS, HG = spec.rows, spec.heads, spec.num_splits, spec.head_groups
+    npools = len(spec.pools)
+    c2 = spec.softmax_scale * LOG2E
+    has_fp8, has_bf16, has_sink = spec.has_fp8, spec.has_bf16, spec.has_sink
+    if smem_bytes(spec) > _SMEM_LIMIT:
+        raise ValueError(f"kernel needs {smem_bytes(spec)} B of SMEM (> {_SMEM_LIMIT}); try qk_exchange=False")
+
+    def sparse_mla_kernel(*refs):
+        it = iter(refs)
+        q_ref = next(it)
+        counts_ref = next(it)
+        sink_ref = next(it) if has_sink else None
+        pool_refs = []
+        for p in spec.pools:
+            cache = next(it)
+            src = next(it)
+            scales = next(it) if p.fmt == "fp8_ds_mla" else None
+            pool_refs.append((cache, src, scales))
+        out_ref, lse_ref, mx_ref = next(it), next(it), next(it)
+        scratch = next(it)
+        rest = list(it)
+        assert not rest, rest
+        (q_smem, k_smem, stage, scale_smem, idx_smem, w_smem, sink_smem,
+         q_bar, idx_full, stage_full, stage_free, k_ready, k_free, x_smem, x_a, x_b,
+         a_smem, u_smem) = scratch
+        exchange = spec.qk_exchange
+        if has_fp8 and has_bf16:
+            stage_u8, stage_bf = stage
+        elif has_fp8:
+            stage_u8, stage_bf = stage, None
+        else:
+            stage_u8, stage_bf = None, stage
+
+        cta = lax.axis_index("cta")
+        hgi = cta % HG
+        rest_i = cta // HG
+        split = rest_i % NS
+        row = rest_i // NS
+        h0 = hgi * HB
+
+        # Per-pool block ranges of this split: the row's valid blocks (main then extra) cut in NS parts.
+        nblk = [counts_ref[row, p] for p in range(npools)]
+        tot = nblk[0] if npools == 1 else nblk[0] + nblk[1]
+        per = (tot + NS - 1) // NS
+        start = jnp.minimum(split * per, tot)
+        end = jnp.minimum(start + per, tot)
+        ranges = []
+        base = jnp.int32(0)
+        for p in range(npools):
+            lo = jnp.clip(start - base, 0, nblk[p])
+            hi = jnp.clip(end - base, 0, nblk[p])
+            ranges.append((lo, hi))
+            base = base + nblk[p]
+
+        wg = lax.axis_index("wg")
+
+        # ------------------------------------------------------------------ memory warpgroup
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(h0, HB), pl.ds(0, HALF)], q_smem.at[0], q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(h0, HB), pl.ds(HALF, HALF)], q_smem.at[1], q_bar)
+            if has_sink:
+                plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, HB)], sink_smem, q_bar)
+
+            n = jnp.int32(0)
+            for p, pspec in enumerate(spec.pools):
+                cache, src, scales = pool_refs[p]
+                fp8 = pspec.fmt == "fp8_ds_mla"
+
+                def blk(j, n, cache=cache, src=src, scales=scales, fp8=fp8):
+                    @pl.when(n > 0)
+                    def _():
+                        plgpu.barrier_wait(stage_free)
+                        # The compute warpgroups read the staging buffers with generic loads; order
+                        # those reads before the async-proxy (TMA) writes that refill them.
+                        plgpu.commit_smem()
+
+                    plgpu.copy_gmem_to_smem(src.at[row, pl.ds(j * T, T)], idx_smem, idx_full,
+                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                    if fp8:
+                        plgpu.copy_gmem_to_smem(scales.at[row, pl.ds(j * T, T)], scale_smem, stage_full)
+                    else:
+                        plgpu.barrier_arrive(stage_full)
+                    plgpu.barrier_wait(idx_full)
+
+                    @pl.loop(0, T)
+                    def _tok(i):
+                        off = idx_smem[i]
+
+                        @pl.when(off >= 0)
+                        def _copy():
+                            if fp8:
+                                plgpu.copy_gmem_to_smem(
+                                    cache.at[pl.ds(off, FP8_COPY_BYTES)],
+                                    stage_u8.at[i, pl.ds(0, FP8_COPY_BYTES)], stage_full,
+                                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                            else:
+                                plgpu.copy_gmem_to_smem(
+                                    cache.at[pl.ds(off, 1)], stage_bf.at[pl.ds(i, 1), pl.ds(0, D)], stage_full,
+                                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+                        @pl.when(off < 0)
+                        def _skip():
+                            plgpu.barrier_arrive(stage_full)
+
+                    return n + 1
+
+                n = lax.fori_loop(ranges[p][0], ranges[p][1], blk, n)
+
+            # Observe the last phase too (every phase of a barrier must be awaited by its waiters).
+            @pl.when(n > 0)
+            def _():
+                plgpu.barrier_wait(stage_free)
+
+        # ----------------------------------------------------------------- compute warpgroups
+        def compute(w: int):
+            plgpu.set_max_registers(232, action="increase")
+            if has_fp8 and w == 1:
+                w_smem[...] = _rope_combiner()
+                plgpu.commit_smem()
+            plgpu.barrier_wait(q_bar)
+            if has_sink:
+                sink = plgpu.load(sink_smem, layout=_ROW)
+            o = plgpu.layout_cast(jnp.zeros((HB, HALF), jnp.float32), plgpu.Layout.WGMMA)
+            m = plgpu.layout_cast(jnp.full((HB,), -jnp.inf, jnp.float32), _ROW)
+            l = plgpu.layout_cast(jnp.zeros((HB,), jnp.float32), _ROW)
+            n = jnp.int32(0)
+            for p, pspec in enumerate(spec.pools):
+                fp8 = pspec.fmt == "fp8_ds_mla"
+
+                def blk(j, carry, fp8=fp8):
+                    n, o, m, l = carry
+                    plgpu.barrier_wait(idx_full)
+                    plgpu.barrier_wait(stage_full)
+
+                    if not exchange:
+                        @pl.when(n > 0)
+                        def _():
+                            plgpu.barrier_wait(k_free)
+
+                    idx_row = plgpu.load(idx_smem, layout=_ROW)
+                    idx_col = plgpu.load(idx_smem, layout=_COL)
+                    vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0])
+                    if fp8:
+                        _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem)
+                    else:
+                        _copy_bf16(w, stage_bf, k_smem, vrow)
+                    plgpu.barrier_arrive(stage_free)
+                    plgpu.commit_smem()
+                    if exchange:
+                        # Each warpgroup contracts its own 256 dims; the two partial scores meet in SMEM.
+                        def qk(acc):
+                            plgpu.wgmma(acc, q_smem.at[w], k_smem.at[w].transpose((1, 0)))
+                            return acc[...]
+
+                        s_own = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
+                        # One 16 KiB buffer: wg 0 posts its partial, wg 1 takes it and posts its own.
+                        if w == 0:
+                            x_smem[...] = s_own
+                            plgpu.barrier_arrive(x_a)
+                            plgpu.barrier_wait(x_b)
+                            s = s_own + plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
+                        else:
+                            plgpu.barrier_wait(x_a)
+                            s_peer = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
+                            x_smem[...] = s_own
+                            plgpu.barrier_arrive(x_b)
+                            s = s_peer + s_own  # S_0 + S_1 in both warpgroups: identical scores
+                    else:
+                        plgpu.barrier_arrive(k_ready)
+                        plgpu.barrier_wait(k_ready)
+
+                        def qk(acc):
+                            plgpu.wgmma(acc, q_smem.at[0], k_smem.at[0].transpose((1, 0)))
+                            plgpu.wgmma(acc, q_smem.at[1], k_smem.at[1].transpose((1, 0)))
+                            return acc[...]
+
+                        s = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
+                    vcol = lax.broadcast_in_dim(idx_col >= 0, (HB, T), [1])
+                    t = jnp.where(vcol, s * c2, -jnp.inf)
+                    m_new = jnp.maximum(m, t.max(axis=1))
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    alpha = jnp.exp2(m - m_use)
+                    pexp = jnp.exp2(t - lax.broadcast_in_dim(m_use, (HB, T), [0]))
+                    l = l * alpha + pexp.sum(axis=1)
+                    o = o * lax.broadcast_in_dim(alpha, (HB, HALF), [0])
+                    # P V with P = P_hi + P_lo (two bf16 terms, ~2^-16 relative): a single bf16 P
+                    # (2^-9) misses FlashMLA's output tolerance on rows that mix large and small values.
+                    p_hi = pexp.astype(jnp.bfloat16)
+                    p_lo = (pexp - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+                    if not spec.p_split:
+                        p_lo = None
+                    if spec.interpret:
+                        # The interpreter takes wgmma operands from SMEM only and cannot store into
+                        # an accumulator: stage P in SMEM and add P V to O.
+                        a_smem.at[w, 0][...] = p_hi
+                        if p_lo is not None:
+                            a_smem.at[w, 1][...] = p_lo
+                        plgpu.commit_smem()
+
+                        def pv(acc):
+                            plgpu.wgmma(acc, a_smem.at[w, 0], k_smem.at[w])
+                            if p_lo is not None:
+                                plgpu.wgmma(acc, a_smem.at[w, 1], k_smem.at[w])
+                            return acc[...]
+
+                        o = o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+                    else:
+                        def pv(acc):
+                            acc[...] = o
+                            plgpu.wgmma(acc, p_hi, k_smem.at[w])
+                            if p_lo is not None:
+                                plgpu.wgmma(acc, p_lo, k_smem.at[w])
+                            return acc[...]
+
+                        o = pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+                    if not exchange:
+                        plgpu.barrier_arrive(k_free)
+                    return n + 1, o, m_new, l
+
+                n, o, m, l = lax.fori_loop(ranges[p][0], ranges[p][1], blk, (n, o, m, l))
+
+            if not exchange:
+                # Observe the last phase (every phase of a barrier must be awaited by its waiters).
+                @pl.when(n > 0)
+                def _():
+                    plgpu.barrier_wait(k_free)
+
+            # ------------------------------------------------------------------ epilogue
+            empty = l == 0.0
+            l_safe = jnp.where(empty, 1.0, l)
+            lse = jnp.where(empty, jnp.inf if spec.final else -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+            mx = jnp.where(empty, -jnp.inf, m * LN2)
+            inv = 1.0 / l_safe
+            if spec.final and has_sink:
+                # out = (O / l) / (1 + exp(sink - lse)); sink = +inf -> 0, -inf -> 1.
+                inv = inv / (1.0 + jnp.exp(sink - jnp.where(empty, 0.0, lse)))
+            inv = jnp.where(empty, 0.0, inv)
+            res = o * lax.broadcast_in_dim(inv, (HB, HALF), [0])
+            if spec.final:
+                out_ref.at[row, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res.astype(jnp.bfloat16)
+                if w == 0:
+                    lse_ref.at[row, pl.ds(h0, HB)][...] = lse
+                    mx_ref.at[row, pl.ds(h0, HB)][...] = mx
+            else:
+                out_ref.at[row, split, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res
+                if w == 0:
+                    lse_ref.at[row, split, pl.ds(h0, HB)][...] = lse
+                    mx_ref.at[row, split, pl.ds(h0, HB)][...] = mx
+
+        @pl.when(wg == 0)
+        def _c0():
+            compute(0)
+
+        @pl.when(wg == 1)
+        def _c1():
+            compute(1)
+
+    stage_types = []
+    if has_fp8:
+        stage_types.append(plgpu.SMEM((T, FP8_PITCH), jnp.uint8))
+    if has_bf16:
+        stage_types.append(plgpu.SMEM((T, BF16_PITCH), jnp.bfloat16))
+    stage = plgpu.RefUnion(*stage_types) if len(stage_types) == 2 else stage_types[0]
+    scratch = (
+        plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # Q halves
+        plgpu.SMEM((2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves
+        stage,
+        plgpu.SMEM((T, 16), jnp.uint8) if has_fp8 else None,  # scale bytes, 16 B per token
+        plgpu.SMEM((T,), jnp.int32),
+        plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if has_fp8 else None,
+        plgpu.SMEM((HB,), jnp.float32) if has_sink else None,
+        plgpu.Barrier(num_arrivals=3 if has_sink else 2),  # q_bar
+        plgpu.Barrier(num_arrivals=1),  # idx_full
+        plgpu.Barrier(num_arrivals=T + 1),  # stage_full: one per token + the scales copy
+        plgpu.Barrier(num_arrivals=2),  # stage_free
+        None if spec.qk_exchange else plgpu.Barrier(num_arrivals=2),  # k_ready
+        None if spec.qk_exchange else plgpu.Barrier(num_arrivals=2),  # k_free
+        # exchange of partial scores: f32 [64 heads, 64 tokens]
+        plgpu.SMEM((HB, T), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), _SWZ))
+        if spec.qk_exchange else None,
+        plgpu.Barrier(num_arrivals=1) if spec.qk_exchange else None,  # x_a: wg 0's partial posted
+        plgpu.Barrier(num_arrivals=1) if spec.qk_exchange else None,  # x_b: wg 1's partial posted
+        # interpreter only: wgmma A operands staged in SMEM (P per compute warpgroup, RoPE bytes)
+        plgpu.SMEM((2, 2, HB, T), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret else None,
+        plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret and has_fp8 else None,
+    )
+    if spec.final:
+        out_type = (jax.ShapeDtypeStruct((R, Hp, D), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((R, Hp), jnp.float32),
+                    jax.ShapeDtypeStruct((R, Hp), jnp.float32))
+    else:
+        out_type = (jax.ShapeDtypeStruct((R, NS, Hp, D), jnp.float32),
+                    jax.ShapeDtypeStruct((R, NS, Hp), jnp.float32),
+                    jax.ShapeDtypeStruct((R, NS, Hp), jnp.float32))
+    return plgpu.kernel(
+        sparse_mla_kernel,
+        out_type=out_type,
+        scratch_types=(scratch,),
+        grid=(R * NS * HG,),
+        grid_names=("cta",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+
+
+def _rope_combiner():
+    """bf16 [128, 64]: W[2j, j] = 1, W[2j+1, j] = 256, else 0.
+
+    For the RoPE bytes U (uint8 [64 tok, 128], as exact bf16 integers), U @ W = lo + 256 * hi,
+    the bf16 bit pattern of each RoPE value, exact in the f32 accumulator.
+    """
+    r = plgpu.broadcasted_iota(jnp.int32, (128, 64), 0, layout=plgpu.Layout.WGMMA)
+    c = plgpu.broadcasted_iota(jnp.int32, (128, 64), 1, layout=plgpu.Layout.WGMMA)
+    one = jnp.full((128, 64), 1.0, jnp.float32)
+    big = jnp.full((128, 64), 256.0, jnp.float32)
+    zero = jnp.zeros((128, 64), jnp.float32)
+    w = jnp.where((r // 2) == c, jnp.where((r % 2) == 0, one, big), zero)
+    return w.astype(jnp.bfloat16)
+
+
+def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
+    """K half w <- dequantized staged fp8_ds_mla records (masked rows 0)."""
+    sb = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA)  # uint8 [64, 16]
+    sf = lax.bitcast_convert_type(sb.astype(jnp.int32) << 23, jnp.float32)  # 2^(e - 127) (e = 0 -> 0)
+    col = plgpu.broadcasted_iota(jnp.int32, (T, 16), 1, layout=plgpu.Layout.WGMMA)
+    zero = jnp.zeros((T, 64), jnp.float32)
+    groups = range(0, 4) if w == 0 else range(4, 7)
+    for g in groups:
+        scale_g = jnp.where(col == g, sf, jnp.zeros_like(sf)).max(axis=1)  # [64] per token
+        x8 = plgpu.load(stage_u8.at[:, pl.ds(64 * g, 64)], layout=plgpu.Layout.WGMMA)
+        x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float32)
+        y = jnp.where(vrow, x * lax.broadcast_in_dim(scale_g, (T, 64), [0]), zero)
+        k_smem.at[w, :, pl.ds(64 * (g - 4 * w), 64)][...] = y.astype(jnp.bfloat16)
+    if w == 1:
+        ub = plgpu.load(stage_u8.at[:, pl.ds(NOPE, 128)], layout=plgpu.Layout.WGMMA)  # RoPE bytes
+        u = ub.astype(jnp.float32).astype(jnp.bfloat16)
+
+        if u_smem is not None:  # interpreter: A operands from SMEM only
+            u_smem[...] = u
+            plgpu.commit_smem()
+            u = u_smem
+
+        def comb(acc):
+            plgpu.wgmma(acc, u, w_smem)
+            return acc[...]
+
+        bits = pl.run_scoped(comb, plgpu.ACC((T, 64), jnp.float32))
+        y = lax.bitcast_convert_type(bits.astype(jnp.int32).astype(jnp.int16), jnp.bfloat16)
+        y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.bfloat16))
+        k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = y
+
+
+def _copy_bf16(w, stage_bf, k_smem, vrow):
+    """K half w <- staged bf16 rows (masked rows 0)."""
+    zero = jnp.zeros((T, 64), jnp.bfloat16)
+    for j in range(4):
+        x = plgpu.load(stage_bf.at[:, pl.ds(w * HALF + 64 * j, 64)], layout=plgpu.Layout.WGMMA)
+        k_smem.at[w, :, pl.ds(64 * j, 64)][...] = jnp.where(vrow, x, zero)

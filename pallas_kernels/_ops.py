@@ -1,0 +1,202 @@
+"""`impl="pallas"` sparse MLA decode and prefill: operand preparation, kernel call, split combine.
+
+The XLA side only touches indices and per-entry metadata, never the KV data:
+- per pool and selected entry, the source of the token in the cache -- the byte offset of its
+  fp8_ds_mla record (`block * page_bytes + offset * 576`) or its bf16 row (the global slot) --
+  or -1 when the entry is masked (index < 0, index >= capacity, or position >= topk_length);
+- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad, zero-padded to 16 B),
+  one 8-byte gather per entry (1.4 % of the bytes per token); masked entries read nothing and
+  get 0. The kernel's bulk copies must be multiples of 128 B in Mosaic GPU's lane-level
+  lowering, so fetching those 8 B in the kernel would cost a second 128 B copy per token (see
+  benchmarks/pallas_notes.md);
+- per row and pool, the number of 64-token blocks `ceil(min(topk_length, topk) / 64)`.
+
+Splits: a fixed split of each row's valid blocks into `num_splits` equal parts (not FlashMLA's
+`plan_decode_splits`, whose per-SM request ranges would need a persistent kernel with
+data-dependent output routing). `num_splits` is chosen statically so that rows x head-groups x
+splits fills about two waves of the GPU (`choose_num_splits`); with one split the kernel writes
+the final output, otherwise f32 partials merged by `combine_splits` (jnp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax import kv_cache as kvc
+from pallas_kernels import _interpret
+from pallas_kernels._kernel import _SMEM_LIMIT, FP8_RECORD, HB, T, KernelSpec, PoolSpec, build_kernel, smem_bytes
+
+__all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
+           "num_splits_override", "kernel_options"]
+
+_FORMATS = ("bf16", "fp8_ds_mla")
+_DEFAULT_SMS = 132  # H100/H200; the real count is read from the device when it is a GPU
+
+
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def num_splits_override(n: int | None):
+    """Force the split count of kernels traced inside (tests, benchmarks); None restores the heuristic."""
+    prev = getattr(_override, "n", None)
+    _override.n = n
+    try:
+        yield
+    finally:
+        _override.n = prev
+
+
+@contextlib.contextmanager
+def kernel_options(**options):
+    """Override `KernelSpec` fields (`qk_exchange`, `p_split`) of kernels traced inside (benchmarks)."""
+    prev = getattr(_override, "options", {})
+    _override.options = {**prev, **options}
+    try:
+        yield
+    finally:
+        _override.options = prev
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _num_sms() -> int:
+    try:
+        if jax.default_backend() == "gpu":
+            n = getattr(jax.devices()[0], "core_count", None)
+            if isinstance(n, int) and n > 0:
+                return n
+    except Exception:  # pragma: no cover - device query failures fall back to the default
+        pass
+    return _DEFAULT_SMS
+
+
+def choose_num_splits(rows: int, head_groups: int, max_blocks: int, num_sms: int | None = None) -> int:
+    """Static split count: enough programs for ~2 waves, at least 4 blocks (256 tokens) per split."""
+    num_sms = num_sms or _num_sms()
+    ctas = max(rows * head_groups, 1)
+    want = _cdiv(2 * num_sms, ctas)
+    return int(max(1, min(want, max_blocks // 4, 64)))
+
+
+def unsupported_reason(fmt: str, cache) -> str | None:
+    if fmt not in _FORMATS:
+        return f"the pallas kernels read kv formats {list(_FORMATS)}, not {fmt!r} (use impl='xla')"
+    if fmt == "fp8_ds_mla" and cache.size >= 2**31 - 4096:
+        return "fp8_ds_mla caches of 2 GiB or more are not supported by the pallas kernels (int32 byte offsets)"
+    return None
+
+
+def pool_operands(cache, fmt: str, block_size: int, idx, lens):
+    """(operands, PoolSpec, blocks per row) of one pool. idx int32 [R, K]; lens int32 [R]."""
+    R, K = idx.shape
+    kpad = max(_cdiv(K, T), 1) * T
+    cap = kvc.cache_capacity(cache, fmt, block_size)
+    pos = jnp.arange(K, dtype=jnp.int32)[None, :]
+    valid = (pos < lens[:, None]) & (idx >= 0) & (idx < cap)
+    safe = jnp.where(valid, idx, 0)
+    if fmt == "bf16":
+        view = cache.reshape(-1, cache.shape[-1])
+        src = jnp.where(valid, safe, -1)
+        extra = ()
+    else:
+        pb = kvc.page_bytes(fmt, block_size)
+        view = cache.reshape(-1)
+        blk, t = safe // block_size, safe % block_size
+        src = jnp.where(valid, blk * pb + t * FP8_RECORD, -1)
+        rows8 = cache.reshape(-1, 8)
+        # one 8-byte gather per entry; masked entries index past the end and read nothing (fill 0)
+        scale_row = jnp.where(valid, (blk * pb + block_size * FP8_RECORD + t * 8) // 8, rows8.shape[0])
+        sc = rows8.at[scale_row].get(mode="fill", fill_value=0)  # [R, K, 8] uint8
+        if kpad > K:
+            sc = jnp.pad(sc, ((0, 0), (0, kpad - K), (0, 0)))
+        extra = (jnp.pad(sc, ((0, 0), (0, 0), (0, 8))),)  # [R, kpad, 16]: TMA needs 16 B strides
+    if kpad > K:
+        src = jnp.pad(src, ((0, 0), (0, kpad - K)), constant_values=-1)
+    nblk = (jnp.clip(lens, 0, K) + T - 1) // T
+    return (view, src.astype(jnp.int32)) + extra, PoolSpec(fmt, kpad), nblk.astype(jnp.int32)
+
+
+def combine_splits(o, lse, mx, sink):
+    """Merge split partials. o f32 [R, S, H, D] (each O_i / l_i), lse/mx f32 [R, S, H] (-inf empty).
+
+    Returns (out f32 [R, H, D] with the sink applied, lse [R, H] (+inf empty), max_logits [R, H])."""
+    M = jnp.max(lse, axis=1)
+    M_safe = jnp.where(jnp.isneginf(M), 0.0, M)
+    wts = jnp.exp(lse - M_safe[:, None, :])  # 0 for empty splits
+    S = jnp.sum(wts, axis=1)
+    empty = S == 0
+    lse_f = jnp.where(empty, jnp.inf, M_safe + jnp.log(jnp.where(empty, 1.0, S)))
+    out = jnp.einsum("rsh,rshd->rhd", wts, o) / jnp.where(empty, 1.0, S)[..., None]
+    if sink is not None:
+        out = out / (1.0 + jnp.exp(sink[None, :] - jnp.where(empty, 0.0, lse_f)))[..., None]
+    out = jnp.where(empty[..., None], 0.0, out)
+    return out, lse_f, jnp.max(mx, axis=1)
+
+
+def _run(q_rows, pools, sink, softmax_scale, num_splits):
+    """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse."""
+    R, h, _ = q_rows.shape
+    if R == 0:
+        return (jnp.zeros((0, h, q_rows.shape[2]), jnp.bfloat16), jnp.zeros((0, h), jnp.float32),
+                jnp.zeros((0, h), jnp.float32))
+    Hp = _cdiv(h, HB) * HB
+    if Hp != h:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, Hp - h), (0, 0)))
+    counts = jnp.stack([nb for _, _, nb in pools], axis=1)
+    max_blocks = sum(ps.kpad // T for _, ps, _ in pools)
+    if num_splits is None:
+        num_splits = getattr(_override, "n", None)
+    if num_splits is None:
+        num_splits = choose_num_splits(R, Hp // HB, max_blocks)
+    num_splits = int(max(1, min(num_splits, max(max_blocks, 1))))
+    spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
+                      softmax_scale=float(softmax_scale), has_sink=sink is not None,
+                      interpret=_interpret.active())
+    if smem_bytes(spec) > _SMEM_LIMIT:  # bf16 + fp8 pools: no room for the score exchange buffer
+        spec = dataclasses.replace(spec, qk_exchange=False)
+    spec = dataclasses.replace(spec, **getattr(_override, "options", {}))
+    args = [q_rows, counts]
+    sink_p = None
+    if sink is not None:
+        sink_p = jnp.pad(sink.astype(jnp.float32), (0, Hp - h), constant_values=-jnp.inf) if Hp != h else sink
+        args.append(sink_p.astype(jnp.float32))
+    for ops, _, _ in pools:
+        args.extend(ops)
+    with _interpret.kernel_context():
+        out, lse, mx = build_kernel(spec)(*args)
+    if num_splits > 1:
+        out, lse, mx = combine_splits(out, lse, mx, sink_p)
+    out = out.astype(jnp.bfloat16)
+    return out[:, :h], mx[:, :h], lse[:, :h]
+
+
+def decode(call, *, num_splits: int | None = None):
+    """`impl="pallas"` decode of a checked `DecodeCall`: (out bf16 [b, s_q, h, 512], lse f32 [b, s_q, h])."""
+    b, s_q, h, d = call.q.shape
+    R = b * s_q
+
+    def rows(idx, lens):
+        return idx.reshape(R, idx.shape[2]), jnp.repeat(lens.astype(jnp.int32), s_q)
+
+    pools = [pool_operands(call.kv_cache, call.kv_format, call.block_size, *rows(call.indices, call.topk_length))]
+    if call.has_extra:
+        pools.append(pool_operands(call.extra_kv_cache, call.extra_kv_format, call.extra_block_size,
+                                   *rows(call.extra_indices, call.extra_topk_length)))
+    out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits)
+    return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
+
+
+def prefill(call, *, num_splits: int | None = None):
+    """`impl="pallas"` prefill of a checked `PrefillCall`: (out bf16 [s_q, h, 512], max_logits, lse f32 [s_q, h])."""
+    kv = call.kv
+    pool = pool_operands(kv.reshape(1, kv.shape[0], kv.shape[1]), "bf16", kv.shape[0], call.indices,
+                         call.topk_length.astype(jnp.int32))
+    return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits)

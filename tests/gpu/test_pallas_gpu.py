@@ -1,0 +1,138 @@
+"""GPU tests of `impl="pallas"` (the Mosaic GPU kernels of pallas_kernels/) on an SM90 / SM100 device.
+
+Run on the GPU machine from the repository root:
+    PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu/test_pallas_gpu.py
+
+- the shared decode / prefill grids (tests/attention_cases.py) against the float64 oracle with
+  FlashMLA's tolerances (mxfp8 / nvfp4 cases are skipped: the kernels read bf16 and fp8_ds_mla);
+- a few grid cases again with a forced split count (partial outputs + combine);
+- large cases against the xla reference: decode b=128, s_q=2, h=128, topk 2048 (fp8_ds_mla),
+  decode b=4 with topk 2048 + extra 1024 (splits), prefill s_q=512, h=128, topk 2048;
+- determinism: two runs are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+if jax.default_backend() != "gpu":
+    pytest.skip(f"needs a CUDA GPU: jax.default_backend() is {jax.default_backend()!r}", allow_module_level=True)
+
+import pallas_kernels  # noqa: E402
+from dsv41_jax import sparse_mla_decode, sparse_mla_prefill  # noqa: E402
+from tests.attention_cases import (  # noqa: E402
+    DECODE_GRID,
+    PREFILL_GRID,
+    assert_close,
+    make_decode_case,
+    make_prefill_case,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pallas_available():
+    why = pallas_kernels.availability_reason()
+    if why is not None:
+        pytest.skip(why)
+
+
+def _readable(kw) -> str | None:
+    fmts = [kw["fmt"]] + ([kw["extra"]["fmt"]] if kw.get("extra") else [])
+    bad = [f for f in fmts if f not in ("bf16", "fp8_ds_mla")]
+    return f"the pallas kernels do not read {bad} (impl='auto' falls back to xla)" if bad else None
+
+
+def _decode(case, impl="pallas", splits=None):
+    with pallas_kernels.num_splits_override(splits):
+        f = jax.jit(lambda *a: sparse_mla_decode(*a, impl=impl, **case.kwargs()))
+        return jax.block_until_ready(f(*case.args()))
+
+
+def _prefill(case, impl="pallas", splits=None):
+    with pallas_kernels.num_splits_override(splits):
+        f = jax.jit(lambda *a: sparse_mla_prefill(*a, impl=impl, **case.kwargs()))
+        return jax.block_until_ready(f(*case.args()))
+
+
+DECODE_IDS = [n for n, _ in DECODE_GRID]
+PREFILL_IDS = [n for n, _ in PREFILL_GRID]
+
+
+SPLIT_DECODE = ["fp8_extra_p2", "bf16_extra_fp8"]
+SPLIT_PREFILL = ["scale_half"]
+
+
+@pytest.mark.parametrize("name,splits", [(n, None) for n in DECODE_IDS] + [(n, 3) for n in SPLIT_DECODE])
+def test_decode_grid(name, splits):
+    i = DECODE_IDS.index(name)
+    kw = DECODE_GRID[i][1]
+    if (why := _readable(kw)) is not None:
+        pytest.skip(why)
+    case = make_decode_case(100 + i, **kw)
+    out, lse = _decode(case, splits=splits)
+    e_out, e_lse = case.expected()
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    assert out.shape == case.q.shape and lse.shape == case.q.shape[:3]
+    assert_close(out, e_out, "decode_out", f"{name} out")
+    assert_close(lse, e_lse, "decode_lse", f"{name} lse")
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+
+
+@pytest.mark.parametrize("name,splits", [(n, None) for n in PREFILL_IDS] + [(n, 2) for n in SPLIT_PREFILL])
+def test_prefill_grid(name, splits):
+    i = PREFILL_IDS.index(name)
+    case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
+    out, mx, lse = _prefill(case, splits=splits)
+    e_out, e_mx, e_lse = case.expected()
+    assert out.dtype == jnp.bfloat16 and mx.dtype == jnp.float32 and lse.dtype == jnp.float32
+    assert_close(out, e_out, "prefill_out", f"{name} out")
+    assert_close(mx, e_mx, "prefill_max_logits", f"{name} max_logits")
+    assert_close(lse, e_lse, "prefill_lse", f"{name} lse")
+
+
+LARGE_DECODE = {
+    "b128_sq2_h128_topk2048_fp8": dict(b=128, s_q=2, h_q=128, topk=2048, block_size=64, fmt="fp8_ds_mla",
+                                       s_kv=8192, lengths="full", invalid_frac=0.02),
+    "b4_h128_topk2048_extra1024_fp8": dict(b=4, s_q=2, h_q=128, topk=2048, block_size=64, fmt="fp8_ds_mla",
+                                           s_kv=4096, extra=dict(topk=1024, block_size=2, fmt="fp8_ds_mla",
+                                                                 s_kv=2048)),
+    "b64_h64_swa128_extra512_bf16_fp8": dict(b=64, s_q=2, h_q=64, topk=128, block_size=256, fmt="bf16",
+                                             s_kv=1024, extra=dict(topk=512, block_size=64, fmt="fp8_ds_mla")),
+}
+
+
+@pytest.mark.parametrize("name", list(LARGE_DECODE))
+def test_large_decode_vs_xla(name):
+    case = make_decode_case(7, **LARGE_DECODE[name])
+    out, lse = _decode(case)
+    r_out, r_lse = _decode(case, impl="xla")
+    assert_close(out, np.asarray(r_out, np.float32), "decode_out", f"{name} out")
+    assert_close(lse, np.asarray(r_lse), "decode_lse", f"{name} lse")
+
+
+def test_large_prefill_vs_xla():
+    case = make_prefill_case(8, s_q=512, h_q=128, topk=2048, s_kv=8192, lengths="var", invalid_frac=0.02)
+    out, mx, lse = _prefill(case)
+    r_out, r_mx, r_lse = _prefill(case, impl="xla")
+    assert_close(out, np.asarray(r_out, np.float32), "prefill_out", "out")
+    assert_close(mx, np.asarray(r_mx), "prefill_max_logits", "max_logits")
+    assert_close(lse, np.asarray(r_lse), "prefill_lse", "lse")
+
+
+def test_deterministic():
+    case = make_decode_case(9, b=16, s_q=2, h_q=128, topk=1024, block_size=64, fmt="fp8_ds_mla", s_kv=4096,
+                            extra=dict(topk=256, block_size=2, fmt="fp8_ds_mla"))
+    a = _decode(case)
+    b = _decode(case)
+    for x, y in zip(a, b):
+        assert np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), equal_nan=True)
+    p = make_prefill_case(10, s_q=64, h_q=128, topk=512, s_kv=2048)
+    a = _prefill(p)
+    b = _prefill(p)
+    for x, y in zip(a, b):
+        assert np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), equal_nan=True)

@@ -1,0 +1,235 @@
+"""CPU tests of the `impl="pallas"` Mosaic GPU kernels (pallas_kernels/).
+
+1. Interpret mode: each kernel runs at small shapes in Mosaic GPU interpret mode against the
+   float64 oracle of tests/attention_cases.py (`assert_close`, FlashMLA's tolerances): fp8_ds_mla
+   and bf16 caches, an extra cache with its own page size and format, variable / zero lengths,
+   invalid indices (-1, INT_MIN, INT_MAX, capacity), NaN-poisoned unused slots, sinks of +-inf,
+   padded head counts, several splits (partial outputs + combine), prefill with s_kv < topk; two
+   cases (decode fp8, prefill bf16, several blocks each) also run the interpreter's race detector.
+   The interpreter runs each warpgroup of a block as a host thread that blocks inside XLA
+   callbacks, which deadlocks when XLA's CPU thread pool has fewer threads than there are
+   blocked warpgroups (2-core machines). The cases therefore run in one worker subprocess
+   started with `NPROC=16` (sizes that pool) and a timeout, overlapping the in-process tests;
+   each test reads its case's result.
+2. Lowering: every kernel variant is lowered for CUDA on the CPU
+   (`jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`), which runs Mosaic GPU's
+   layout / tiling / transfer checks that the interpreter skips; the Mosaic GPU custom call must
+   appear in the module.
+3. Registration: importing the package touches no GPU, `supports` refuses the formats the kernels
+   do not read, the availability probe reports the CPU as unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_TIMEOUT_S = 210
+
+# id -> (kind, case kwargs, forced num_splits or None, detect races)
+CASES = {
+    "decode_fp8_p61_sinkinf_b2": ("decode", dict(fmt="fp8_ds_mla", block_size=61, topk=128, h_q=16, b=2, s_q=1,
+                                                  s_kv=300, sink="inf"), None, False),
+    "decode_bf16_extra_fp8_sq2": ("decode", dict(fmt="bf16", block_size=32, topk=64, h_q=64, b=1, s_q=2,
+                                                  extra=dict(topk=64, block_size=61, fmt="fp8_ds_mla")), None, False),
+    "decode_fp8_p2_extra_invalid_rows": ("decode", dict(fmt="fp8_ds_mla", block_size=2, topk=64, h_q=8, b=3, s_q=1,
+                                                        all_invalid_row=True,
+                                                        extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla")),
+                                         None, False),
+    "decode_fp8_zero_lengths": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=64, h_q=8, b=2, s_q=1,
+                                               lengths="zero"), None, False),
+    "decode_fp8_h3_full_nosink": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=3, b=1, s_q=1,
+                                                 lengths="full", invalid_frac=0.0, sink="none"), None, False),
+    "decode_fp8_splits3_races": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=256, h_q=16, b=1, s_q=1,
+                                                s_kv=400, sink="inf"), 3, True),
+    "decode_bf16_skv_lt_topk_splits2": ("decode", dict(fmt="bf16", block_size=16, topk=128, h_q=8, b=2, s_q=1,
+                                                       s_kv=40), 2, False),
+    "prefill_h128_sinkinf": ("prefill", dict(s_q=2, h_q=128, topk=128, s_kv=200, sink="inf"), None, False),
+    "prefill_skv_lt_topk_invalid_row": ("prefill", dict(s_q=3, h_q=16, topk=128, s_kv=60, all_invalid_row=True),
+                                        None, False),
+    "prefill_zero_lengths_scale_half": ("prefill", dict(s_q=2, h_q=8, topk=64, s_kv=100, lengths="zero",
+                                                        softmax_scale=0.5), None, False),
+    "prefill_no_lengths_splits2_races": ("prefill", dict(s_q=1, h_q=16, topk=256, s_kv=300, lengths="none"), 2, True),
+}
+
+
+# ----------------------------------------------------------------------------- the worker
+def _run_case(name: str) -> dict:
+    """Runs one case in interpret mode (in a worker process) and checks it against the oracle."""
+    import jax
+
+    import dsv41_jax as d
+    import pallas_kernels
+    from pallas_kernels import _interpret
+    from tests.attention_cases import assert_close, make_decode_case, make_prefill_case
+
+    kind, kw, splits, races = CASES[name]
+    seed = sum(map(ord, name))
+    t0 = time.time()
+    with _interpret.interpret_mode(detect_races=races), pallas_kernels.num_splits_override(splits):
+        if kind == "decode":
+            case = make_decode_case(seed, **kw)
+            res = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))(*case.args())
+        else:
+            case = make_prefill_case(seed, **kw)
+            res = jax.jit(lambda *a: d.sparse_mla_prefill(*a, **case.kwargs(), impl="pallas"))(*case.args())
+        res = jax.block_until_ready(res)
+    exp = case.expected()
+    if kind == "decode":
+        out, lse = res
+        e_out, e_lse = exp
+        assert out.dtype == np.dtype("bfloat16") and out.shape == case.q.shape, (out.dtype, out.shape)
+        assert lse.dtype == np.float32 and lse.shape == case.q.shape[:3], (lse.dtype, lse.shape)
+        assert_close(out, e_out, "decode_out", f"{name} out")
+        assert_close(lse, e_lse, "decode_lse", f"{name} lse")
+    else:
+        out, mx, lse = res
+        e_out, e_mx, e_lse = exp
+        assert out.shape == case.q.shape and mx.shape == lse.shape == case.q.shape[:2]
+        assert_close(out, e_out, "prefill_out", f"{name} out")
+        assert_close(mx, e_mx, "prefill_max_logits", f"{name} max_logits")
+        assert_close(lse, e_lse, "prefill_lse", f"{name} lse")
+    assert not np.isnan(np.asarray(out, np.float32)).any(), "NaN in the output"
+    if races:
+        assert not _interpret.races_found(), "the interpreter's race detector reported a race"
+    return {"secs": round(time.time() - t0, 1)}
+
+
+def _worker(names: list[str]) -> None:
+    for name in names:
+        try:
+            info = _run_case(name)
+            rec = {"name": name, "ok": True, **info}
+        except BaseException as e:  # report and go on with the next case
+            rec = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:4000]}
+        print("RESULT " + json.dumps(rec), flush=True)
+
+
+# ------------------------------------------------------------------------------ the parent
+class _Worker:
+    """One worker subprocess running every interpret case (one process: parallel workers were
+    slower on 2 cores). Started by the first test of this module so that the in-process lowering
+    tests overlap with it; `results()` waits for it (with a timeout)."""
+
+    def __init__(self):
+        env = dict(os.environ, NPROC="16", JAX_PLATFORMS="cpu",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", ",".join(CASES)],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.started = time.time()
+        self._done = None
+
+    def results(self):
+        if self._done is None:
+            try:
+                out, _ = self.proc.communicate(timeout=max(WORKER_TIMEOUT_S - (time.time() - self.started), 1))
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, _ = self.proc.communicate()
+                out += f"\n[worker killed after {WORKER_TIMEOUT_S} s]"
+            res = {}
+            for line in out.splitlines():
+                if line.startswith("RESULT "):
+                    rec = json.loads(line[len("RESULT "):])
+                    res[rec["name"]] = rec
+            self._done = (res, out)
+        return self._done
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpret_worker():
+    w = _Worker()
+    yield w
+    if w.proc.poll() is None:
+        w.proc.kill()
+        w.proc.communicate()
+
+
+# ------------------------------------------------------------------------------- lowering
+LOWER_CASES = {
+    "decode_fp8": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=64, b=2, s_q=2), None),
+    "decode_bf16_extra_fp8_splits": ("decode", dict(fmt="bf16", block_size=32, topk=128, h_q=128, b=1, s_q=1,
+                                                    extra=dict(topk=128, block_size=61, fmt="fp8_ds_mla")), 2),
+    "decode_fp8_extra_fp8_h3": ("decode", dict(fmt="fp8_ds_mla", block_size=69, topk=64, h_q=3, b=1, s_q=1,
+                                               sink="none", extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")), None),
+    "prefill_bf16": ("prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None),
+    "prefill_bf16_splits": ("prefill", dict(s_q=1, h_q=64, topk=256, s_kv=300, sink="none"), 3),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWER_CASES))
+def test_lowers_for_cuda(name):
+    import jax
+
+    import dsv41_jax as d
+    import pallas_kernels
+    from pallas_kernels import _interpret
+    from tests.attention_cases import make_decode_case, make_prefill_case
+
+    kind, kw, splits = LOWER_CASES[name]
+    with _interpret.gpu_mode(), pallas_kernels.num_splits_override(splits):
+        if kind == "decode":
+            case = make_decode_case(1, **kw)
+            f = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))
+        else:
+            case = make_prefill_case(1, **kw)
+            f = jax.jit(lambda *a: d.sparse_mla_prefill(*a, **case.kwargs(), impl="pallas"))
+        text = f.trace(*case.args()).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
+
+
+# --------------------------------------------------------------------------- registration
+def test_import_touches_no_gpu():
+    # With JAX_PLATFORMS=cuda on a machine without one, any backend initialisation would raise.
+    env = dict(os.environ, JAX_PLATFORMS="cuda", PYTHONPATH=ROOT)
+    code = ("import pallas_kernels, dsv41_jax.attention as a; "
+            "assert 'pallas' in a.decode_impls() and 'pallas' in a.prefill_impls(); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_registration_supports_and_availability():
+    import jax.numpy as jnp
+
+    import dsv41_jax as d
+    import pallas_kernels
+    from dsv41_jax import kv_cache as kvc
+    from dsv41_jax.attention import _DECODE, _PREFILL  # noqa: F401 - registry presence
+
+    assert "pallas" in d.attention.decode_impls() and "pallas" in d.attention.prefill_impls()
+    assert pallas_kernels.availability_reason() is not None  # CPU: not runnable natively
+    q = jnp.zeros((1, 1, 4, 512), jnp.bfloat16)
+    idx = jnp.zeros((1, 1, 64), jnp.int32)
+    for fmt in ("mxfp8_ds_mla", "nvfp4_ds_mla"):
+        cache = kvc.allocate(2, 64, fmt)
+        with pytest.raises(ValueError, match="pallas"):
+            d.sparse_mla_decode(q, cache, idx, kv_format=fmt, block_size=64, softmax_scale=0.1, impl="pallas")
+        # auto falls back to the reference
+        out, lse = d.sparse_mla_decode(q, cache, idx, kv_format=fmt, block_size=64, softmax_scale=0.1, impl="auto")
+        assert out.shape == q.shape and lse.shape == (1, 1, 4)
+    mx_cache = kvc.allocate(2, 64, "fp8_ds_mla")
+    with pytest.raises(ValueError, match="pallas"):
+        d.sparse_mla_decode(q, mx_cache, idx, kv_format="fp8_ds_mla", block_size=64, softmax_scale=0.1, impl="pallas",
+                            extra_kv_cache=kvc.allocate(2, 32, "nvfp4_ds_mla"), extra_indices=idx,
+                            extra_kv_format="nvfp4_ds_mla", extra_block_size=32)
+
+
+# ----------------------------------------------------- interpret results (run last: they wait)
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpret_matches_oracle(name, interpret_worker):
+    results, log = interpret_worker.results()
+    rec = results.get(name)
+    assert rec is not None, f"case {name} produced no result (worker crashed or timed out); log tail:\n{log[-3000:]}"
+    assert rec["ok"], rec["error"]
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    sys.path.insert(0, ROOT)
+    _worker([n for n in sys.argv[2].split(",") if n])
