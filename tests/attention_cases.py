@@ -146,6 +146,15 @@ class DecodeCase:
         out, _, lse = oracle_rows(q, pools, self.softmax_scale, sink)
         return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
 
+    def check(self, out, lse, what: str = "") -> None:
+        """Dtypes, shapes and FlashMLA's tolerances against the float64 oracle; no NaN in out."""
+        assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32, (out.dtype, lse.dtype)
+        assert out.shape == self.q.shape and lse.shape == self.q.shape[:3], (out.shape, lse.shape)
+        e_out, e_lse = self.expected()
+        assert_close(out, e_out, "decode_out", f"{what} out")
+        assert_close(lse, e_lse, "decode_lse", f"{what} lse")
+        assert not np.isnan(np.asarray(jnp.asarray(out, jnp.float32))).any(), f"{what}: NaN in out"
+
 
 def _poisoned_cache(rng, num_blocks, block_size, fmt, n_written):
     """A cache whose every slot is poison (NaN rows / 0xFF bytes) except `n_written` random slots."""
@@ -258,6 +267,16 @@ class PrefillCase:
         q = np.asarray(self.q.astype(jnp.float32), np.float64)
         assert table.shape[0] == s_kv
         return oracle_rows(q, [(table, np.asarray(self.indices), lens)], self.softmax_scale, sink)
+
+    def check(self, results, what: str = "") -> None:
+        """(out, max_logits, lse): dtypes, shapes and FlashMLA's tolerances against the float64 oracle."""
+        out, mx, lse = results
+        assert out.dtype == jnp.bfloat16 and mx.dtype == jnp.float32 and lse.dtype == jnp.float32
+        assert out.shape == self.q.shape and mx.shape == lse.shape == self.q.shape[:2]
+        e_out, e_mx, e_lse = self.expected()
+        assert_close(out, e_out, "prefill_out", f"{what} out")
+        assert_close(mx, e_mx, "prefill_max_logits", f"{what} max_logits")
+        assert_close(lse, e_lse, "prefill_lse", f"{what} lse")
 
 
 def make_prefill_case(

@@ -73,11 +73,7 @@ def test_decode_grid(name):
     if (why := _readable(kw)) is not None:
         pytest.skip(why)
     case = make_decode_case(100 + i, **kw)
-    out, lse = _decode(case)
-    e_out, e_lse = case.expected()
-    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
-    assert_close(out, e_out, "decode_out", f"{name} out")
-    assert_close(lse, e_lse, "decode_lse", f"{name} lse")
+    case.check(*_decode(case), name)
 
 
 PREFILL_IDS = [n for n, _ in PREFILL_GRID]
@@ -87,12 +83,7 @@ PREFILL_IDS = [n for n, _ in PREFILL_GRID]
 def test_prefill_grid(name):
     i = PREFILL_IDS.index(name)
     case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
-    f = jax.jit(lambda *a: sparse_mla_prefill(*a, impl="cuda", **case.kwargs()))
-    out, ml, lse = f(*case.args())
-    e_out, e_ml, e_lse = case.expected()
-    assert_close(out, e_out, "prefill_out", f"{name} out")
-    assert_close(ml, e_ml, "prefill_max_logits", f"{name} max_logits")
-    assert_close(lse, e_lse, "prefill_lse", f"{name} lse")
+    case.check(jax.jit(lambda *a: sparse_mla_prefill(*a, impl="cuda", **case.kwargs()))(*case.args()), name)
 
 
 def test_prefill_large_sq_two_groups():

@@ -14,7 +14,6 @@ Run on the GPU machine from the repository root:
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -74,25 +73,14 @@ def test_decode_grid(name, splits):
     if (why := _readable(kw)) is not None:
         pytest.skip(why)
     case = make_decode_case(100 + i, **kw)
-    out, lse = _decode(case, splits=splits)
-    e_out, e_lse = case.expected()
-    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
-    assert out.shape == case.q.shape and lse.shape == case.q.shape[:3]
-    assert_close(out, e_out, "decode_out", f"{name} out")
-    assert_close(lse, e_lse, "decode_lse", f"{name} lse")
-    assert not np.isnan(np.asarray(out, np.float32)).any()
+    case.check(*_decode(case, splits=splits), name)
 
 
 @pytest.mark.parametrize("name,splits", [(n, None) for n in PREFILL_IDS] + [(n, 2) for n in SPLIT_PREFILL])
 def test_prefill_grid(name, splits):
     i = PREFILL_IDS.index(name)
     case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
-    out, mx, lse = _prefill(case, splits=splits)
-    e_out, e_mx, e_lse = case.expected()
-    assert out.dtype == jnp.bfloat16 and mx.dtype == jnp.float32 and lse.dtype == jnp.float32
-    assert_close(out, e_out, "prefill_out", f"{name} out")
-    assert_close(mx, e_mx, "prefill_max_logits", f"{name} max_logits")
-    assert_close(lse, e_lse, "prefill_lse", f"{name} lse")
+    case.check(_prefill(case, splits=splits), name)
 
 
 LARGE_DECODE = {
