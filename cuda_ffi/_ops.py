@@ -93,6 +93,20 @@ def _sink(sink: jax.Array | None, h_q: int, h_pad: int) -> jax.Array:
     return _pad_axis(s, 0, h_pad, -jnp.inf)
 
 
+def _pad_for_kernel(call, *, head_axis: int):
+    """q padded to 64-head groups (sink -inf for the padding), indices to 64-token tiles (-1), lengths
+    clamped to [0, topk]: `(q, sink, indices, lengths, h_pad, topk)`. The last axis of indices is top-k."""
+    if call.attn_sink is not None:
+        _require("attn_sink", call.attn_sink, dtype=jnp.float32, ndim=1)
+    h_q = call.q.shape[head_axis]
+    h_pad = _round_up(h_q, GROUP)
+    qp = _pad_axis(call.q, head_axis, h_pad, 0)
+    topk = call.indices.shape[-1]
+    idx = _pad_axis(call.indices, call.indices.ndim - 1, _round_up(topk, GROUP), -1)
+    tl = jnp.clip(call.topk_length, 0, topk).astype(jnp.int32)
+    return qp, _sink(call.attn_sink, h_q, h_pad), idx, tl, h_pad, topk
+
+
 @functools.cache
 def default_num_sms() -> int:
     """SM count of the first GPU (`core_count`), or 132 (H100/H200) when there is none."""
@@ -125,14 +139,7 @@ def prepare_decode(call, *, num_sms: int | None = None, plan: str = "device") ->
     _check_cache("kv_cache", call.kv_cache, call.kv_format, call.block_size)
     _require("indices", call.indices, dtype=jnp.int32, ndim=3)
     _require("topk_length", call.topk_length, dtype=jnp.int32, ndim=1)
-    if call.attn_sink is not None:
-        _require("attn_sink", call.attn_sink, dtype=jnp.float32, ndim=1)
-    h_pad = _round_up(h_q, GROUP)
-    qp = _pad_axis(q, 2, h_pad, 0)
-    sink = _sink(call.attn_sink, h_q, h_pad)
-    topk = call.indices.shape[2]
-    idx = _pad_axis(call.indices, 2, _round_up(topk, GROUP), -1)
-    tl = jnp.clip(call.topk_length, 0, topk).astype(jnp.int32)
+    qp, sink, idx, tl, h_pad, topk = _pad_for_kernel(call, head_axis=2)
     parts = num_sm_parts_for("sm90", num_sms=num_sms or default_num_sms(), s_q=s_q, h_q=h_q)
     if call.has_extra:
         _check_cache("extra_kv_cache", call.extra_kv_cache, call.extra_kv_format, call.extra_block_size)
@@ -210,14 +217,7 @@ def prepare_prefill(call) -> tuple[tuple, dict, tuple, dict]:
         raise ValueError(f"cuda: kv must be [s_kv, {HEAD_DIM}], got {tuple(call.kv.shape)}")
     _require("indices", call.indices, dtype=jnp.int32, ndim=2)
     _require("topk_length", call.topk_length, dtype=jnp.int32, ndim=1)
-    if call.attn_sink is not None:
-        _require("attn_sink", call.attn_sink, dtype=jnp.float32, ndim=1)
-    h_pad = _round_up(h_q, GROUP)
-    qp = _pad_axis(q, 1, h_pad, 0)
-    sink = _sink(call.attn_sink, h_q, h_pad)
-    topk = call.indices.shape[1]
-    idx = _pad_axis(call.indices, 1, _round_up(topk, GROUP), -1)
-    tl = jnp.clip(call.topk_length, 0, topk).astype(jnp.int32)
+    qp, sink, idx, tl, h_pad, topk = _pad_for_kernel(call, head_axis=1)
     args = (qp, call.kv, idx, tl, sink)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale))
     results = (

@@ -188,6 +188,16 @@ def _indices(rng, shape, written, cap, invalid_frac, lens, poison_tail):
     return idx.astype(np.int32)
 
 
+def _sink(rng, h_q: int, mode: str):
+    """None ("none"), random per-head sinks ("random"), or random with +inf and -inf heads ("inf")."""
+    if mode == "none":
+        return None
+    sv = rng.standard_normal(h_q).astype(np.float32)
+    if mode == "inf":
+        sv[0], sv[-1] = np.inf, -np.inf
+    return jnp.asarray(sv)
+
+
 def make_decode_case(
     seed: int,
     *,
@@ -219,12 +229,7 @@ def make_decode_case(
     if all_invalid_row:
         idx[b - 1] = rng.choice([-1, INT_MIN, INT_MAX, nb * block_size], size=(s_q, topk))
     q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 512)), jnp.bfloat16)
-    snk = None
-    if sink != "none":
-        sv = rng.standard_normal(h_q).astype(np.float32)
-        if sink == "inf":
-            sv[0], sv[-1] = np.inf, -np.inf
-        snk = jnp.asarray(sv)
+    snk = _sink(rng, h_q, sink)
     case = DecodeCase(q, cache, jnp.asarray(idx), jnp.asarray(lens, jnp.int32), fmt, block_size,
                       softmax_scale if softmax_scale is not None else 512 ** -0.5, snk)
     if extra:
@@ -304,12 +309,7 @@ def make_prefill_case(
         lens = {"full": np.full(s_q, topk), "zero": np.zeros(s_q, int), "var": rng.integers(0, topk + 1, size=s_q)}[lengths]
         lens = jnp.asarray(lens, jnp.int32)
     q = jnp.asarray(rng.standard_normal((s_q, h_q, 512)), jnp.bfloat16)
-    snk = None
-    if sink != "none":
-        sv = rng.standard_normal(h_q).astype(np.float32)
-        if sink == "inf":
-            sv[0], sv[-1] = np.inf, -np.inf
-        snk = jnp.asarray(sv)
+    snk = _sink(rng, h_q, sink)
     return PrefillCase(q, kv, jnp.asarray(idx.astype(np.int32)), lens,
                        softmax_scale if softmax_scale is not None else 512 ** -0.5, snk)
 
