@@ -32,24 +32,15 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import dsv41_jax as d
-    from dsv41_jax import kv_cache as kvc
+    from benchmarks.inputs import filled_cache, request_indices
 
     key = jax.random.PRNGKey(0)
     bs, fmt = 64, "fp8_ds_mla"
     n = args.b * args.tokens_per_req
-    nb = -(-n // bs)
-
-    def cache(k):
-        rows = jax.random.normal(k, (nb * bs, 512), jnp.float32).astype(jnp.bfloat16)
-        return jax.jit(lambda c, r: kvc.insert(c, r, jnp.arange(nb * bs, dtype=jnp.int32), fmt=fmt, block_size=bs),
-                       donate_argnums=0)(kvc.allocate(nb, bs, fmt), rows)
-
     k1, k2, k3, k4, k5 = jax.random.split(key, 5)
-    main_c, extra_c = cache(k1), cache(k2)
-    per = nb * bs // args.b
-    base = (jnp.arange(args.b) * per)[:, None, None]
-    idx = (base + jax.random.randint(k3, (args.b, args.s_q, args.topk), 0, per)).astype(jnp.int32)
-    eidx = (base + jax.random.randint(k4, (args.b, args.s_q, args.extra_topk), 0, per)).astype(jnp.int32)
+    (main_c, cap), (extra_c, _) = filled_cache(k1, n, bs, fmt), filled_cache(k2, n, bs, fmt)
+    idx = request_indices(k3, args.b, args.s_q, args.topk, cap)
+    eidx = request_indices(k4, args.b, args.s_q, args.extra_topk, cap)
     q = jax.random.normal(k5, (args.b, args.s_q, args.h, 512), jnp.float32).astype(jnp.bfloat16)
     sink = jnp.zeros((args.h,), jnp.float32)
     f = jax.jit(lambda q, c, i, e, ei: d.sparse_mla_decode(

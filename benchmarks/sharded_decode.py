@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -44,27 +42,20 @@ def main(argv=None) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from dsv41_jax import kv_cache as kvc
+    from benchmarks.inputs import filled_cache, git_commit, request_indices
     from dsv41_jax.sharding import sparse_mla_decode_sharded
 
     devs = jax.devices()
     counts = [int(x) for x in args.devices.split(",")]
     bs, fmt = args.block_size, args.fmt
-    nb = -(-args.b * args.tokens_per_req // bs)
     key = jax.random.PRNGKey(0)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    rows = jax.random.normal(k1, (nb * bs, 512), jnp.float32).astype(jnp.bfloat16)
-    cache = jax.jit(lambda c, r: kvc.insert(c, r, jnp.arange(nb * bs, dtype=jnp.int32), fmt=fmt, block_size=bs),
-                    donate_argnums=0)(kvc.allocate(nb, bs, fmt), rows)
-    del rows
-    per = nb * bs // args.b
-    idx = ((jnp.arange(args.b) * per)[:, None, None]
-           + jax.random.randint(k2, (args.b, args.s_q, args.topk), 0, per)).astype(jnp.int32)
+    cache, cap = filled_cache(k1, args.b * args.tokens_per_req, bs, fmt)
+    idx = request_indices(k2, args.b, args.s_q, args.topk, cap)
     qs = jax.random.normal(k3, (args.calls, args.b, args.s_q, args.h, 512), jnp.float32).astype(jnp.bfloat16)
     sink = jax.random.normal(k4, (args.h,), jnp.float32)
     flops = 2 * args.h * args.b * args.s_q * args.topk * 1024
-    commit = os.environ.get("DSV41_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = git_commit()
     print(f"# {devs[0].device_kind} x{len(devs)}; b={args.b} s_q={args.s_q} h={args.h} topk={args.topk} {fmt}; "
           f"impl={args.impl}; commit {commit}")
     base = None

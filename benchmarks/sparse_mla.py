@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -64,13 +63,6 @@ PREFILL_CASES = [
 QUICK = {"decode_headline_h128", "decode_v4_h128_b128", "prefill_h128_topk2048"}
 
 
-def _git_commit() -> str:
-    if os.environ.get("DSV41_COMMIT"):  # the device machine gets a copy of the tree without .git
-        return os.environ["DSV41_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def _timer():
@@ -106,23 +98,14 @@ def _timer():
 def _make_decode_inputs(case: Case, key):
     """A large fp8/bf16 cache (b * s_kv tokens) and `sets` draws of (q, indices, lengths)."""
     import jax
-    import jax.numpy as jnp
 
-    from dsv41_jax import kv_cache as kvc
-
-    def cache(n_tokens, bs, fmt, k):
-        nb = -(-n_tokens // bs)
-        c = kvc.allocate(nb, bs, fmt)
-        rows = jax.random.normal(k, (nb * bs, 512), jnp.float32).astype(jnp.bfloat16)
-        fill = jax.jit(lambda c, r: kvc.insert(c, r, jnp.arange(nb * bs, dtype=jnp.int32), fmt=fmt, block_size=bs),
-                       donate_argnums=0)
-        return fill(c, rows), nb * bs
+    from benchmarks.inputs import filled_cache
 
     k0, k1 = jax.random.split(key)
-    main, cap = cache(case.b * case.s_kv, case.block_size, case.fmt, k0)
+    main, cap = filled_cache(k0, case.b * case.s_kv, case.block_size, case.fmt)
     extra = ecap = None
     if case.extra_topk:
-        extra, ecap = cache(case.b * max(case.s_kv // 4, case.extra_topk), case.extra_block_size, case.fmt, k1)
+        extra, ecap = filled_cache(k1, case.b * max(case.s_kv // 4, case.extra_topk), case.extra_block_size, case.fmt)
     return main, cap, extra, ecap
 
 
@@ -130,17 +113,12 @@ def _decode_draw(case: Case, key, cap, ecap):
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.inputs import request_indices
+
     kq, ki, ke = jax.random.split(key, 3)
     q = jax.random.normal(kq, (case.b, case.s_q, case.h_q, 512), jnp.float32).astype(jnp.bfloat16)
-    # each request reads its own region of the cache, like real sequences do
-    per = cap // case.b
-    base = (jnp.arange(case.b) * per)[:, None, None]
-    idx = (base + jax.random.randint(ki, (case.b, case.s_q, case.topk), 0, per)).astype(jnp.int32)
-    eidx = None
-    if case.extra_topk:
-        eper = ecap // case.b
-        eidx = ((jnp.arange(case.b) * eper)[:, None, None]
-                + jax.random.randint(ke, (case.b, case.s_q, case.extra_topk), 0, eper)).astype(jnp.int32)
+    idx = request_indices(ki, case.b, case.s_q, case.topk, cap)
+    eidx = request_indices(ke, case.b, case.s_q, case.extra_topk, ecap) if case.extra_topk else None
     return q, idx, eidx
 
 
@@ -233,6 +211,7 @@ def main(argv=None) -> int:
     import jax
 
     import dsv41_jax as d
+    from benchmarks.inputs import git_commit
 
     wanted = set(args.cases.split(","))
     cases = [c for c in DECODE_CASES + PREFILL_CASES
@@ -243,7 +222,7 @@ def main(argv=None) -> int:
     timer, method = _timer()
     dev = jax.devices()[0]
     device = getattr(dev, "device_kind", dev.platform)
-    print(f"# device: {device}; timing: {method}; jax {jax.__version__}; commit {_git_commit()}")
+    print(f"# device: {device}; timing: {method}; jax {jax.__version__}; commit {git_commit()}")
     results = []
     for c in cases:
         for impl in impls:
@@ -259,7 +238,7 @@ def main(argv=None) -> int:
             print(f"{c.name:28s} {impl:7s} {r['us']:10.1f} us {r['tflops']:8.1f} TFLOP/s ({100 * r['frac_flops']:5.1f}%)"
                   f" {r['gbps']:8.0f} GB/s ({100 * r['frac_bw']:5.1f}%)  spread {100 * r['spread']:.1f}%", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(date=datetime.date.today().isoformat(), commit=_git_commit(), device=device, timing=method,
+    meta = dict(date=datetime.date.today().isoformat(), commit=git_commit(), device=device, timing=method,
                 jax=jax.__version__, command="python -m benchmarks.sparse_mla " + " ".join(argv or sys.argv[1:]))
     with open(os.path.join(args.out, "sparse_mla.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
