@@ -4,7 +4,7 @@
     python -m cuda_ffi.build --emu      # also cuda_ffi/lib/libdsv41_emu.so (g++, no CUDA needed)
     python -m cuda_ffi.build --emu-only # only the emulator
     python -m cuda_ffi.build --archs 90a
-    python -m cuda_ffi.build --p-precision bf16   # plain bf16 P (FlashMLA's; default hilo = P_hi + P_lo)
+    python -m cuda_ffi.build --force-mma-sync    # sm_90a with the mma.sync consumers (timing comparisons)
 
 The CUDA build needs nvcc (PATH, $CUDACXX, $CUDA_HOME/bin or /usr/local/cuda/bin) and cmake
 (PATH or the `cmake` pip package); it passes `jax.ffi.include_dir()` to CMake and links the CUDA
@@ -103,12 +103,13 @@ def _ptxas_report(text: str) -> str:
     return "\n".join(keep) + "\n"
 
 
-P_PRECISIONS = {"hilo": 1, "bf16": 0}
+CONSUMERS = ("wgmma", "mma_sync")
 
 
 def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_dir: Path = LIB_DIR,
-                  build_dir: Path = BUILD_DIR, verbose: bool = False, p_precision: str = "hilo") -> Path:
-    """Configure and build libdsv41_cuda.so with CMake; returns its path."""
+                  build_dir: Path = BUILD_DIR, verbose: bool = False, force_mma_sync: bool = False) -> Path:
+    """Configure and build libdsv41_cuda.so with CMake; returns its path. sm_90a gets the wgmma
+    consumers unless `force_mma_sync` (timing comparisons); sm_100a always the mma.sync ones."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found (looked at $CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
@@ -122,7 +123,7 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
     _run([cmake, "-S", str(HERE), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
           f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DXLA_FFI_INCLUDE_DIR={_ffi_include_dir()}",
           f"-DDSV41_CUDA_ARCHS={archs}", f"-DDSV41_OUTPUT_DIR={out_dir}",
-          f"-DDSV41_P_HILO={P_PRECISIONS[p_precision]}"], log)
+          f"-DDSV41_FORCE_MMA_SYNC={'ON' if force_mma_sync else 'OFF'}"], log)
     _run([cmake, "--build", str(build_dir), "--parallel", str(jobs or max(os.cpu_count() or 1, 1))], log)
     lib = out_dir / LIB_NAME
     if not lib.is_file():
@@ -134,17 +135,22 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
         (out_dir / "ptxas_report.txt").write_text(report)
     if verbose:
         print(text)
-    print(f"built {lib} in {time.time() - t0:.1f} s (archs {archs}, P precision {p_precision})")
+    print(f"built {lib} in {time.time() - t0:.1f} s (archs {archs}{', mma.sync forced' if force_mma_sync else ''})")
     return lib
 
 
 EMU_SOURCES = ("emu_main.cc", "emu_runtime.h", "kernels.cuh", "prims.cuh", "params.h", "host_params.h")
 
 
-def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = False, p_precision: str = "hilo",
-                   name: str = EMU_NAME) -> Path:
+def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = False,
+                   consumer: str = "wgmma") -> Path:
     """Compile the host emulator of the kernels (emu_main.cc) with the C++ compiler; returns its path.
-    Skipped when the library is newer than all its sources (unless `force`)."""
+    `consumer` picks the consumer warps emulated: "wgmma" (sm_90a's, libdsv41_emu.so) or
+    "mma_sync" (sm_100a's, libdsv41_emu_mma_sync.so). Skipped when the library is newer than all
+    its sources (unless `force`)."""
+    if consumer not in CONSUMERS:
+        raise ValueError(f"consumer must be one of {CONSUMERS}, got {consumer!r}")
+    name = EMU_NAME if consumer == "wgmma" else EMU_NAME.replace(".so", f"_{consumer}.so")
     out = out_dir / name
     if not force and out.is_file():
         newest = max((HERE / f).stat().st_mtime for f in EMU_SOURCES)
@@ -157,7 +163,7 @@ def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = F
     tmp = out_dir / (name + ".tmp")
     log: list[str] = []
     t0 = time.time()
-    _run([cxx, "-std=c++17", opt, "-fPIC", "-shared", "-DDSV41_EMULATE", f"-DDSV41_P_HILO={P_PRECISIONS[p_precision]}",
+    _run([cxx, "-std=c++17", opt, "-fPIC", "-shared", "-DDSV41_EMULATE", f"-DDSV41_WGMMA={int(consumer == 'wgmma')}",
           "-I", str(HERE), str(HERE / "emu_main.cc"),
           "-o", str(tmp), "-lpthread"], log)
     os.replace(tmp, out)
@@ -169,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cuda_ffi.build", description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", default=DEFAULT_ARCHS, help="semicolon-separated CUDA archs (default 90a;100a)")
     ap.add_argument("--jobs", type=int, default=None)
-    ap.add_argument("--p-precision", choices=sorted(P_PRECISIONS), default="hilo",
-                    help="P for P.V: hilo = bf16 P_hi + P_lo (default, meets the tests' tolerances), bf16 = FlashMLA's")
+    ap.add_argument("--force-mma-sync", action="store_true",
+                    help="sm_90a: build the mma.sync consumers instead of wgmma (timing comparisons)")
     ap.add_argument("--emu", action="store_true", help="also build the host emulator (CPU tests)")
     ap.add_argument("--emu-only", action="store_true", help="build only the host emulator")
     ap.add_argument("--clean", action="store_true", help="remove the CMake build directory first")
@@ -180,12 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.clean and BUILD_DIR.exists():
             shutil.rmtree(BUILD_DIR)
         if not a.emu_only:
-            build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose, p_precision=a.p_precision)
+            build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose, force_mma_sync=a.force_mma_sync)
             print((LIB_DIR / "ptxas_report.txt").read_text())
         if a.emu or a.emu_only:
-            # a non-default P precision gets its own file, so the CPU tests keep using the default one
-            build_emulator(p_precision=a.p_precision,
-                           name=EMU_NAME if a.p_precision == "hilo" else f"libdsv41_emu_{a.p_precision}p.so")
+            for consumer in CONSUMERS:
+                build_emulator(consumer=consumer)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -41,7 +41,7 @@ cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStr
   static unsigned long long done = 0;
   const long long grid = (long long)p.num_groups * p.s_q * p.num_parts;
   if (grid <= 0 || p.b <= 0) return cudaSuccess;
-  cudaError_t e = ensure_smem_limit((const void*)dsv41_decode_kernel, kSmemBytes, &done);
+  cudaError_t e = ensure_smem_limit((const void*)dsv41_decode_kernel, kSmemLaunchBytes, &done);
   if (e != cudaSuccess) return e;
   if (plan.device_plan)
     dsv41_plan_kernel<<<1, kPlanThreads, 0, stream>>>(plan);
@@ -49,7 +49,7 @@ cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStr
     dsv41_plan_copy_kernel<<<1, 256, 0, stream>>>(plan);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  dsv41_decode_kernel<<<(unsigned)grid, kThreads, kSmemBytes, stream>>>(p);
+  dsv41_decode_kernel<<<(unsigned)grid, kThreads, kSmemLaunchBytes, stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   const long long cgrid = (long long)p.b * p.s_q * (p.h_pad / 8);

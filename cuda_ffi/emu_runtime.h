@@ -52,7 +52,7 @@ struct alignas(16) uint4 { uint32_t x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 
-enum : int { kTagSyncwarp = 1, kTagShfl, kTagBallot, kTagLdsm, kTagLdsmT, kTagMma };
+enum : int { kTagSyncwarp = 1, kTagShfl, kTagBallot, kTagLdsm, kTagLdsmT, kTagMma, kTagWgmma };
 
 struct Cta;
 
@@ -262,8 +262,9 @@ inline void launch(int64_t grid, int nthreads, size_t smem_bytes, const std::fun
     c.stacks.resize(nthreads);
     for (int i = 0; i < nthreads; ++i) c.stacks[i] = static_cast<char*>(std::malloc(c.stack_bytes));
     c.warps.resize((nthreads + 31) / 32);
-    std::vector<char> smem(smem_bytes + 128);
-    char* base = smem.data() + ((128 - (reinterpret_cast<uintptr_t>(smem.data()) & 127)) & 127);
+    // 1024-aligned, like the swizzle atoms the kernels align their shared memory to
+    std::vector<char> smem(smem_bytes + 1024);
+    char* base = smem.data() + ((1024 - (reinterpret_cast<uintptr_t>(smem.data()) & 1023)) & 1023);
     c.smem = base;
     c.body = &body;
     for (int64_t blk; (blk = next.fetch_add(1)) < grid;) {

@@ -1,7 +1,8 @@
 """Run the CUDA kernels on the CPU through the host emulator (tests only).
 
 `libdsv41_emu.so` (built by `python -m cuda_ffi.build --emu-only`) compiles kernels.cuh for the
-host: every CUDA thread is a fiber, warp-collective instructions exchange their operands with
+host with sm_90a's wgmma consumers, `libdsv41_emu_mma_sync.so` with sm_100a's mma.sync ones (pick
+with `consumer=`): every CUDA thread is a fiber, warp-collective instructions exchange their operands with
 the PTX fragment semantics, named barriers count arrivals. `decode_emulated(call)` /
 `prefill_emulated(call)` run the same JAX-side preparation as the GPU path (`_ops.prepare_*`:
 head/topk padding, length clamping), the same argument checks as the FFI handlers
@@ -22,6 +23,8 @@ import numpy as np
 from cuda_ffi import _ops
 
 EMU_LIB = Path(__file__).resolve().parent / "lib" / "libdsv41_emu.so"
+# The consumer warps each emulator build runs: sm_90a's wgmma (default) or sm_100a's mma.sync.
+EMU_LIBS = {"wgmma": EMU_LIB, "mma_sync": EMU_LIB.with_name("libdsv41_emu_mma_sync.so")}
 
 _DTYPES = {np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.uint8): 2, np.dtype(np.int32): 3, np.dtype(np.float32): 4}
 
@@ -42,13 +45,15 @@ def _view(a: np.ndarray) -> TensorView:
     return t
 
 
-_lib = None
+_libs: dict[str, ctypes.CDLL] = {}
 
 
-def load(path: Path | None = None) -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        lib = ctypes.CDLL(str(path or EMU_LIB))
+def load(path: Path | None = None, consumer: str = "wgmma") -> ctypes.CDLL:
+    """The emulator library of `consumer` ("wgmma" or "mma_sync"), loaded once."""
+    if consumer not in EMU_LIBS:
+        raise ValueError(f"consumer must be one of {sorted(EMU_LIBS)}, got {consumer!r}")
+    if consumer not in _libs:
+        lib = ctypes.CDLL(str(path or EMU_LIBS[consumer]))
         lib.dsv41_emu_decode.restype = ctypes.c_int
         lib.dsv41_emu_decode.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
@@ -63,8 +68,8 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         lib.dsv41_emu_prefill.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_uint64, ctypes.c_int,
             ctypes.c_char_p, ctypes.c_int]
-        _lib = lib
-    return _lib
+        _libs[consumer] = lib
+    return _libs[consumer]
 
 
 def _np(x) -> np.ndarray:
@@ -81,10 +86,10 @@ def _views(arrays):
     return (TensorView * len(arrays))(*[_view(a) for a in arrays])
 
 
-def run_decode_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0):
+def run_decode_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
     """The FFI call's contract on host arrays: returns the 6 result arrays (out, lse, o_accum,
     lse_accum, tile_scheduler_metadata, num_splits)."""
-    lib = load()
+    lib = load(consumer=consumer)
     ins = [_np(a) for a in args]
     outs = [_poisoned(r) for r in results]
     err = ctypes.create_string_buffer(4096)
@@ -116,8 +121,8 @@ def plan_emulated(topk_length, *, topk: int, num_sm_parts: int, extra_topk_lengt
     return meta, splits
 
 
-def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0):
-    lib = load()
+def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
+    lib = load(consumer=consumer)
     ins = [_np(a) for a in args]
     outs = [_poisoned(r) for r in results]
     err = ctypes.create_string_buffer(4096)
@@ -128,19 +133,20 @@ def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0):
 
 
 def decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0, plan: str = "device",
-                    return_plan: bool = False):
+                    return_plan: bool = False, consumer: str = "wgmma"):
     """(out, lse) of the CUDA decode path, computed by the emulator (+ (metadata, num_splits) with
     return_plan)."""
     args, attrs, results, info = _ops.prepare_decode(call, num_sms=num_sms, plan=plan)
-    out, lse, _, _, meta, splits = run_decode_ffi(args, attrs, results, seed=seed, workers=workers)
+    out, lse, _, _, meta, splits = run_decode_ffi(args, attrs, results, seed=seed, workers=workers,
+                                                  consumer=consumer)
     h = info["h_q"]
     res = (jnp.asarray(out[:, :, :h]), jnp.asarray(lse[:, :, :h]))
     return res + (meta, splits) if return_plan else res
 
 
-def prefill_emulated(call, *, seed: int = 1, workers: int = 0):
+def prefill_emulated(call, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
     """(out, max_logits, lse) of the CUDA prefill path, computed by the emulator."""
     args, attrs, results, info = _ops.prepare_prefill(call)
-    out, ml, lse = run_prefill_ffi(args, attrs, results, seed=seed, workers=workers)
+    out, ml, lse = run_prefill_ffi(args, attrs, results, seed=seed, workers=workers, consumer=consumer)
     h = info["h_q"]
     return jnp.asarray(out[:, :h]), jnp.asarray(ml[:, :h]), jnp.asarray(lse[:, :h])

@@ -35,7 +35,7 @@ dsv41::TensorView view(const ffi::AnyBuffer& b) {
 
 ffi::Error cuda_error(const char* what, cudaError_t e) {
   if (e == cudaErrorInvalidConfiguration)
-    return ffi::Error::Internal(std::string(what) + ": the device does not allow " + std::to_string(dsv41::kSmemBytes) +
+    return ffi::Error::Internal(std::string(what) + ": the device does not allow " + std::to_string(dsv41::kSmemLaunchBytes) +
                                 " bytes of shared memory per block (needs sm_90 / sm_100)");
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
 }

@@ -51,12 +51,14 @@ constexpr float kLn2 = 0.6931471805599453f;
 enum : int { kBarFull0 = 1, kBarEmpty0 = 3, kBarConsumers = 5 };  // FULL b = 1 + b, EMPTY b = 3 + b
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
-DEVFN int swz1024(int row, int chunk) { return row * 1024 + ((chunk ^ (row & 7)) << 4); }
+// Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
+// (Q, a K/V tile): 8 column blocks of [64 rows][128 B], 128-byte swizzle (prims.cuh, params.h).
+DEVFN int tile_off(int row, int chunk) { return (chunk >> 3) * 8192 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4); }
 DEVFN int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > topk ? topk : len); }
 
 // ============================================================================== producer
-// 16 fp8 (one 16-byte chunk) * 2^(e-127) -> 16 bf16 in two 16-byte chunks.
+// 16 fp8 (one 16-byte chunk) * 2^(e-127) -> 16 f16 in two 16-byte chunks (exact in f16's range).
 DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& second) {
   // UE8M0 scale 2^(byte-127), built exactly (byte 0 -> 2^-127, a float subnormal).
   const float scale = e8m0 ? bits_f32(e8m0 << 23) : bits_f32(0x00400000u);
@@ -66,8 +68,8 @@ DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& secon
   for (int i = 0; i < 4; ++i) {
     const float2 a = e4m3x2_to_f32x2(wv[i] & 0xffffu);  // elements 4i, 4i+1
     const float2 b = e4m3x2_to_f32x2(wv[i] >> 16);      // elements 4i+2, 4i+3
-    o[2 * i] = pack_bf16x2(a.x * scale, a.y * scale);
-    o[2 * i + 1] = pack_bf16x2(b.x * scale, b.y * scale);
+    o[2 * i] = pack_f16x2(a.x * scale, a.y * scale);
+    o[2 * i + 1] = pack_f16x2(b.x * scale, b.y * scale);
   }
   first = make_u4(o[0], o[1], o[2], o[3]);
   second = make_u4(o[4], o[5], o[6], o[7]);
@@ -152,7 +154,7 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
   const uint32_t vmask = a.vmask;
   const bool fp8 = pool.fmt == kFmtFp8DsMla;  // warp-uniform
   if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)vmask;
-  char* kbuf = smem + kSmemK + buf * (kTileTokens * kHeadDim * 2);
+  char* kbuf = smem + kSmemK + buf * kTileBytes;
   const uint8_t* base = pool.base;
   // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
   const bool swap = (lane >> 2) & 1;
@@ -188,13 +190,21 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
     for (int jj = 0; jj < 8; ++jj) {
       const int r = 16 * pw + jb + jj;
       uint4 first = lo[jj], second = hi[jj];
-      if (fp8 && lane < 28) dequant16(lo[jj], sc[jj], first, second);
-      *reinterpret_cast<uint4*>(kbuf + swz1024(r, 2 * lane + (swap ? 1 : 0))) = swap ? second : first;
-      *reinterpret_cast<uint4*>(kbuf + swz1024(r, 2 * lane + (swap ? 0 : 1))) = swap ? first : second;
+      if (fp8 && lane < 28) {
+        dequant16(lo[jj], sc[jj], first, second);
+      } else {  // bf16 (RoPE dims of an fp8 record, or a bf16 row) -> f16
+        first = make_u4(bf16x2_to_f16x2(first.x), bf16x2_to_f16x2(first.y), bf16x2_to_f16x2(first.z),
+                        bf16x2_to_f16x2(first.w));
+        second = make_u4(bf16x2_to_f16x2(second.x), bf16x2_to_f16x2(second.y), bf16x2_to_f16x2(second.z),
+                         bf16x2_to_f16x2(second.w));
+      }
+      *reinterpret_cast<uint4*>(kbuf + tile_off(r, 2 * lane + (swap ? 1 : 0))) = swap ? second : first;
+      *reinterpret_cast<uint4*>(kbuf + tile_off(r, 2 * lane + (swap ? 0 : 1))) = swap ? first : second;
     }
   }
-  // No fence: bar.arrive orders these shared-memory stores before the consumers' bar.sync
-  // returns (the PTX ISA's own producer/consumer example: st.shared; bar.arrive / bar.sync; ld.shared).
+  // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
+  // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
+  fence_proxy_async();
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -226,25 +236,32 @@ DEVFN void produce_tiles(char* smem, int pw, int lane, Next&& next) {
 }
 
 // ============================================================================== consumers
+// Fragment ownership of the 256 consumer threads (warp w, g = lane / 4, t = lane % 4):
+//  * QK role, both paths: rows r0 = 16 (w & 3) + g and r0 + 8, tokens 32 (w >> 2) + 8j + 2t + 0..1
+//    (j = 0..3) of each tile; running max m and partial row sums l of those rows.
+//  * O, o[i][e] (i = 0..31): wgmma path rows r0 (e < 2) / r0 + 8, dims 256 (w >> 2) + 8i + 2t + (e & 1);
+//    mma.sync path rows 16 (i / 8) + g (+ 8), dims 64 w + 8 (i % 8) + 2t + (e & 1).
 struct Acc {
-  float o[4][8][4];  // PV role: O[16*mt + (g | g+8)][64w + 8n + 2t + (0|1)]
-  float m[2];        // QK role: running max (log2 domain) of rows r0 = 16*(w&3) + g, r1 = r0 + 8
-  float l[2];        // QK role: this thread's partial row sums (its 8 columns of each tile)
+  float o[32][4];
+  float m[2];
+  float l[2];
 };
+constexpr int kORowBlocks = kWgmma ? 1 : 4;  // distinct 16-row blocks of o per thread
+constexpr int kOCols = 32 / kORowBlocks;     // 8-column blocks per row block
+DEVFN int o_row(int w, int rb, int g) { return 16 * (kWgmma ? (w & 3) : rb) + g; }
+DEVFN int o_dim(int w, int n, int t) { return (kWgmma ? 256 * (w >> 2) : 64 * w) + 8 * n + 2 * t; }
 
 DEVFN void acc_reset(Acc& a) {
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int i = 0; i < 32; ++i)
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a.o[mt][n][e] = 0.f;
+    for (int e = 0; e < 4; ++e) a.o[i][e] = 0.f;
   a.m[0] = a.m[1] = -finf();
   a.l[0] = a.l[1] = 0.f;
 }
 
-// Q rows of one (query token, 64-head group): 64 x 512 bf16 from global into swizzled smem.
-// Called by all 256 consumer threads; ends with the consumer barrier.
+// Q rows of one (query token, 64-head group): 64 x 512 bf16 from global, as f16 into the swizzled
+// tile layout. Called by all 256 consumer threads; ends with the consumer barrier.
 DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
 #pragma unroll
   for (int i0 = 0; i0 < 16; i0 += 8) {
@@ -257,48 +274,21 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int c = ct + kConsumerThreads * (i0 + i);
-      *reinterpret_cast<uint4*>(smem + kSmemQ + swz1024(c >> 6, c & 63)) = v[i];
+      *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) =
+          make_u4(bf16x2_to_f16x2(v[i].x), bf16x2_to_f16x2(v[i].y), bf16x2_to_f16x2(v[i].z), bf16x2_to_f16x2(v[i].w));
     }
   }
+  fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const int rq = w & 3, th = w >> 2;
-  const char* qs = smem + kSmemQ;
-  const char* ks = smem + kSmemK + buf * (kTileTokens * kHeadDim * 2);
-  char* ps = smem + kSmemP;
+// S (16 scores per thread, QK-role layout) -> masked, scaled to the log2 domain; exchange of the row
+// maxima between the two token halves (barrier B1); online-softmax update of m, l; returns
+// alpha (rescale factor of rows r0, r0 + 8) and leaves P = 2^(S - base) in s.
+DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float scale_log2, int w, int lane,
+                        float (&alpha)[2]) {
+  const int g = lane >> 2, t = lane & 3, rq = w & 3, th = w >> 2;
   float* rmax = reinterpret_cast<float*>(smem + kSmemRowMax);
-  float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
-
-  // ---- S = Q K^T for rows 16rq..+16 and tokens 32th..+32 (n-tiles j = 0..3 of 8 tokens)
-  float s[4][4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-  // A (Q) via ldmatrix.x4: lanes 0-7 rows 0-7 / k 0-7, 8-15 rows 8-15 / k 0-7, 16-23 rows 0-7 /
-  // k 8-15, 24-31 rows 8-15 / k 8-15 -> a[0..3] in mma order.
-  const int a_row = 16 * rq + (lane & 15);
-  const int a_chunk = lane >> 4;
-  // B (K rows) via ldmatrix.x4, two n-tiles per load: matrix i = lane/8 covers tokens
-  // 8*(i/2) + 0..7 (relative) and dims chunk 2kk + (i&1) -> {b_lo, b_hi} of n-tile 2jp and 2jp+1.
-  const int b_tok = 32 * th + (lane & 7) + ((lane >> 4) << 3);
-  const int b_chunk = (lane >> 3) & 1;
-#pragma unroll 4
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    uint32_t a[4], b0[4], b1[4];
-    ldsm_x4(a, qs + swz1024(a_row, 2 * kk + a_chunk));
-    ldsm_x4(b0, ks + swz1024(b_tok, 2 * kk + b_chunk));
-    ldsm_x4(b1, ks + swz1024(b_tok + 16, 2 * kk + b_chunk));
-    mma_bf16_16816(s[0], a, b0[0], b0[1]);
-    mma_bf16_16816(s[1], a, b0[2], b0[3]);
-    mma_bf16_16816(s[2], a, b1[0], b1[1]);
-    mma_bf16_16816(s[3], a, b1[2], b1[3]);
-  }
-
-  // ---- mask + scale; s[j][e] is row r0 (e<2) / r1 (e>=2), token 32th + 8j + 2t + (e&1)
   // tokens 32th..32th+31: the 16-bit masks of producer warps 2th (low) and 2th+1 (high)
   const uint32_t vm = reinterpret_cast<const uint32_t*>(smem + kSmemValid)[buf * 2 + th];
   const float ninf = -finf();
@@ -325,9 +315,7 @@ DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, 
     rmax[th * 64 + r0 + 8] = mx[1];
   }
   bar_sync(kBarConsumers, kConsumerThreads);  // B1
-
-  // ---- online softmax (exp2 domain); both warps of a row block compute identical M
-  float alpha[2];
+  // both token halves of a row compute the identical M
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = r0 + 8 * hr;
@@ -339,7 +327,7 @@ DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, 
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float p0 = fexp2(s[j][2 * hr] - base);     // 2^-inf = 0 for masked tokens
+      const float p0 = fexp2(s[j][2 * hr] - base);  // 2^-inf = 0 for masked tokens
       const float p1 = fexp2(s[j][2 * hr + 1] - base);
       s[j][2 * hr] = p0;
       s[j][2 * hr + 1] = p1;
@@ -347,37 +335,128 @@ DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, 
     }
     acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
   }
-  // P_hi = bf16(P) and (DSV41_P_HILO=1, the default) P_lo = bf16(P - P_hi): ~16 significant bits.
-  // bf16 P alone (FlashMLA's precision; DSV41_P_HILO=0) misses FlashMLA's output tolerance on a
-  // few elements per case of tests/attention_cases.py (cuda_notes.md).
+}
+
+// P (f16, one term: 11 significant bits) of this thread's 16 entries into the P tile of `buf`:
+// [64 heads][64 tokens], 128-byte rows, chunk c of row r at c ^ (r & 7).
+DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane) {
+  const int g = lane >> 2, t = lane & 3, r0 = 16 * (w & 3) + g, th = w >> 2;
+  char* ps = smem + kSmemP + buf * kSmemPBytes;
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const uint32_t hi = pack_bf16x2(s[j][2 * hr], s[j][2 * hr + 1]);
-      const int off = swz128(r0 + 8 * hr, 4 * th + j) + 4 * t;
-      *reinterpret_cast<uint32_t*>(ps + off) = hi;
-      if (kPHiLo) {
-        const uint32_t lo = pack_bf16x2(s[j][2 * hr] - bf16_lo(hi), s[j][2 * hr + 1] - bf16_hi(hi));
-        *reinterpret_cast<uint32_t*>(ps + kSmemPBytes + off) = lo;
-      }
-    }
+    for (int hr = 0; hr < 2; ++hr)
+      *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, 4 * th + j) + 4 * t) =
+          pack_f16x2(s[j][2 * hr], s[j][2 * hr + 1]);
+}
+
+// sm_90a: warpgroup MMAs. Warpgroup th = w >> 2 computes S for tokens 32th..32th+31 of all 64
+// heads (m64n32k16 x 32 k-steps over the 512 dims, Q and K from shared memory), and then O for
+// dims 256th..256th+255 of all 64 heads (m64n256k16 x 4 token steps, P and V from shared memory:
+// V is the K tile read MN-major). The thread that owns a score row also owns that row of O, so
+// the rescale needs no exchange.
+DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
+  const int th = w >> 2;
+  const uint32_t qa = smem_addr(smem + kSmemQ);
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
+  const uint32_t pa = smem_addr(smem + kSmemP + buf * kSmemPBytes);
+  float s[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  reg_fence<16>(&s[0][0]);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
+    wgmma_m64n32k16(&s[0][0], wgmma_desc(qa + koff, 16, 1024), wgmma_desc(ka + koff + 32u * 128u * th, 16, 1024));
+  }
+  wgmma_commit();
+  wgmma_wait0();
+  reg_fence<16>(&s[0][0]);
+
+  float alpha[2];
+  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
+  store_p(smem, buf, s, w, lane);
+  fence_proxy_async();
+  bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
+
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    acc.o[i][0] *= alpha[0];
+    acc.o[i][1] *= alpha[0];
+    acc.o[i][2] *= alpha[1];
+    acc.o[i][3] *= alpha[1];
+  }
+  reg_fence<128>(&acc.o[0][0]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kTileTokens / 16; ++kk)
+    wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc(pa + 32u * kk, 16, 1024),
+                        wgmma_desc(ka + 4u * 8192u * th + 16u * 128u * kk, 8192, 1024));
+  wgmma_commit();
+  wgmma_wait0();
+  reg_fence<128>(&acc.o[0][0]);
+  // The tile's operands have been read: the producers may refill the buffer.
+  bar_arrive(kBarEmpty0 + buf, kThreads);
+}
+
+// sm_100a (and DSV41_FORCE_MMA_SYNC): warp-level mma.sync m16n8k16 with ldmatrix operands.
+//   QK: warp w = rows 16 (w & 3)..+16, tokens 32 (w >> 2)..+32, all 512 dims.
+//   PV: warp w = all 64 heads x dims 64w..64w+63 (P via ldmatrix, V via ldmatrix.trans from the
+//   K tile); the per-row alpha travels through shared memory (the rows of O are not the QK rows).
+DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int rq = w & 3, th = w >> 2;
+  const char* qs = smem + kSmemQ;
+  const char* ks = smem + kSmemK + buf * kTileBytes;
+  const char* ps = smem + kSmemP + buf * kSmemPBytes;
+  float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
+
+  float s[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  // A (Q) via ldmatrix.x4: lanes 0-7 rows 0-7 / k 0-7, 8-15 rows 8-15 / k 0-7, 16-23 rows 0-7 /
+  // k 8-15, 24-31 rows 8-15 / k 8-15 -> a[0..3] in mma order.
+  const int a_row = 16 * rq + (lane & 15);
+  const int a_chunk = lane >> 4;
+  // B (K rows) via ldmatrix.x4, two n-tiles per load: matrix i = lane/8 covers tokens
+  // 8*(i/2) + 0..7 (relative) and dims chunk 2kk + (i&1) -> {b_lo, b_hi} of n-tile 2jp and 2jp+1.
+  const int b_tok = 32 * th + (lane & 7) + ((lane >> 4) << 3);
+  const int b_chunk = (lane >> 3) & 1;
+#pragma unroll 4
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a[4], b0[4], b1[4];
+    ldsm_x4(a, qs + tile_off(a_row, 2 * kk + a_chunk));
+    ldsm_x4(b0, ks + tile_off(b_tok, 2 * kk + b_chunk));
+    ldsm_x4(b1, ks + tile_off(b_tok + 16, 2 * kk + b_chunk));
+    mma_f16_16816(s[0], a, b0[0], b0[1]);
+    mma_f16_16816(s[1], a, b0[2], b0[3]);
+    mma_f16_16816(s[2], a, b1[0], b1[1]);
+    mma_f16_16816(s[3], a, b1[2], b1[3]);
+  }
+
+  float alpha[2];
+  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
+  store_p(smem, buf, s, w, lane);
   if (th == 0 && t == 0) {
-    alpha_s[r0] = alpha[0];
-    alpha_s[r0 + 8] = alpha[1];
+    alpha_s[16 * rq + g] = alpha[0];
+    alpha_s[16 * rq + g + 8] = alpha[1];
   }
   bar_sync(kBarConsumers, kConsumerThreads);  // B2
 
-  // ---- O = alpha * O + P V for dims 64w..64w+63 and all 64 heads
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt) {
     const float alo = alpha_s[16 * mt + g], ahi = alpha_s[16 * mt + g + 8];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
-      acc.o[mt][n][0] *= alo;
-      acc.o[mt][n][1] *= alo;
-      acc.o[mt][n][2] *= ahi;
-      acc.o[mt][n][3] *= ahi;
+      acc.o[8 * mt + n][0] *= alo;
+      acc.o[8 * mt + n][1] *= alo;
+      acc.o[8 * mt + n][2] *= ahi;
+      acc.o[8 * mt + n][3] *= ahi;
     }
   }
   // V via ldmatrix.x4.trans: matrix i = lane/8 covers tokens 16kk + 8*(i&1) + 0..7 and dims chunk
@@ -386,31 +465,30 @@ DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, 
   const int v_chunk = 8 * w + (lane >> 4);
 #pragma unroll
   for (int kk = 0; kk < kTileTokens / 16; ++kk) {
-    uint32_t ph[4][4], pl[4][4];  // pl: only with DSV41_P_HILO
+    uint32_t ph[4][4];
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      const int off = swz128(16 * mt + (lane & 15), 2 * kk + (lane >> 4));
-      ldsm_x4(ph[mt], ps + off);
-      if (kPHiLo) ldsm_x4(pl[mt], ps + kSmemPBytes + off);
-    }
+    for (int mt = 0; mt < 4; ++mt) ldsm_x4(ph[mt], ps + swz128(16 * mt + (lane & 15), 2 * kk + (lane >> 4)));
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t vb[4];
-      ldsm_x4_trans(vb, ks + swz1024(16 * kk + v_tok, v_chunk + 2 * np));
+      ldsm_x4_trans(vb, ks + tile_off(16 * kk + v_tok, v_chunk + 2 * np));
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
-        if (kPHiLo) {
-          mma_bf16_16816(acc.o[mt][2 * np], pl[mt], vb[0], vb[1]);
-          mma_bf16_16816(acc.o[mt][2 * np + 1], pl[mt], vb[2], vb[3]);
-        }
-        mma_bf16_16816(acc.o[mt][2 * np], ph[mt], vb[0], vb[1]);
-        mma_bf16_16816(acc.o[mt][2 * np + 1], ph[mt], vb[2], vb[3]);
+        mma_f16_16816(acc.o[8 * mt + 2 * np], ph[mt], vb[0], vb[1]);
+        mma_f16_16816(acc.o[8 * mt + 2 * np + 1], ph[mt], vb[2], vb[3]);
       }
     }
   }
   // Every ldmatrix of this buffer has delivered its registers to an mma issued above, so the
   // buffer may be refilled once all consumers arrived.
   bar_arrive(kBarEmpty0 + buf, kThreads);
+}
+
+DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
+  if constexpr (kWgmma)
+    consume_tile_wgmma(smem, buf, acc, scale_log2, w, lane);
+  else
+    consume_tile_mma_sync(smem, buf, acc, scale_log2, w, lane);
 }
 
 // Row statistics of the finished segment to smem; returns after the consumer barrier (B3).
@@ -434,16 +512,17 @@ DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
 
 // Final epilogue: out bf16 = O / L / (1 + 2^(sink*log2e - lse2)); lse natural (+inf if empty);
 // optional max_logits (natural, -inf if empty). `orow0` points at head 0 of this CTA's group.
+// Row statistics are written by the threads holding dims 0..1 of a row.
 DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
                        float* maxl0, const float* sink0) {
   const int g = lane >> 2, t = lane & 3;
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int rb = 0; rb < kORowBlocks; ++rb)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int r = 16 * mt + g + 8 * hr;
+      const int r = o_row(w, rb, g) + 8 * hr;
       const float L = lsum[r] + lsum[64 + r];
       const float M = mfin[r];
       float factor = 0.f, lse_nat = finf(), maxl = -finf();
@@ -454,12 +533,13 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
         lse_nat = lse2 * kLn2;
         maxl = M * kLn2;
       }
-      uint16_t* orow = orow0 + (int64_t)r * kHeadDim + 64 * w + 2 * t;
+      uint16_t* orow = orow0 + (int64_t)r * kHeadDim;
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
-        *reinterpret_cast<uint32_t*>(orow + 8 * n) =
-            pack_bf16x2(acc.o[mt][n][2 * hr] * factor, acc.o[mt][n][2 * hr + 1] * factor);
-      if (w == 0 && t == 0) {
+      for (int n = 0; n < kOCols; ++n) {
+        const float* o = acc.o[kOCols * rb + n];
+        *reinterpret_cast<uint32_t*>(orow + o_dim(w, n, t)) = pack_bf16x2(o[2 * hr] * factor, o[2 * hr + 1] * factor);
+      }
+      if (o_dim(w, 0, t) == 0) {
         lse0[r] = lse_nat;
         if (maxl0) maxl0[r] = maxl;
       }
@@ -472,21 +552,22 @@ DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float*
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int rb = 0; rb < kORowBlocks; ++rb)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int r = 16 * mt + g + 8 * hr;
+      const int r = o_row(w, rb, g) + 8 * hr;
       const float L = lsum[r] + lsum[64 + r];
       const float inv = L > 0.f ? 1.f / L : 0.f;
-      float* arow = arow0 + (int64_t)r * kHeadDim + 64 * w + 2 * t;
+      float* arow = arow0 + (int64_t)r * kHeadDim;
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
+      for (int n = 0; n < kOCols; ++n) {
+        const float* o = acc.o[kOCols * rb + n];
         float2 v;
-        v.x = acc.o[mt][n][2 * hr] * inv;
-        v.y = acc.o[mt][n][2 * hr + 1] * inv;
-        *reinterpret_cast<float2*>(arow + 8 * n) = v;
+        v.x = o[2 * hr] * inv;
+        v.y = o[2 * hr + 1] * inv;
+        *reinterpret_cast<float2*>(arow + o_dim(w, n, t)) = v;
       }
-      if (w == 0 && t == 0) alse0[r] = L > 0.f ? mfin[r] + flog2(L) : -finf();
+      if (o_dim(w, 0, t) == 0) alse0[r] = L > 0.f ? mfin[r] + flog2(L) : -finf();
     }
 }
 
@@ -594,7 +675,8 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
 }
 
 // Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together).
-DEVFN void decode_cta(const DecodeParams& p, char* smem) {
+DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
+  char* smem = align_smem(smem_raw);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t rest = bid / p.num_groups;
@@ -786,7 +868,8 @@ DEVFN void combine_cta(const DecodeParams& p) {
 // One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
 // query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
 // max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
-DEVFN void prefill_cta(const PrefillParams& p, char* smem) {
+DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
+  char* smem = align_smem(smem_raw);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;

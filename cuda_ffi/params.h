@@ -18,15 +18,6 @@ constexpr int kCombineThreads = 256;                              // 8 warps, on
 constexpr int kPlanThreads = 32;                                  // the split planner: one warp
 constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)
 
-// P (softmax probabilities) precision for P.V. 1 (default): P = P_hi + P_lo, two bf16 MMAs
-// (~16 significant bits, 1.5x the tensor work); 0: plain bf16 P, as FlashMLA does (misses the
-// FlashMLA output tolerance on a few elements of the tests' cases, see cuda_notes.md; build with
-// `python -m cuda_ffi.build --p-precision bf16` to time it).
-#ifndef DSV41_P_HILO
-#define DSV41_P_HILO 1
-#endif
-constexpr int kPHiLo = DSV41_P_HILO;
-
 enum KvFormat : int32_t { kFmtBf16 = 0, kFmtFp8DsMla = 1 };
 
 constexpr int kFp8TokenData = 576;  // 448 e4m3 + 64 bf16
@@ -82,17 +73,22 @@ struct PrefillParams {
   int32_t s_q, h_pad, num_groups;
 };
 
-// Shared-memory map of the attention CTA (bytes).
-constexpr int kSmemQ = 0;                                    // bf16 [64][512], swizzled
-constexpr int kSmemK = kSmemQ + kHeadsPerCta * kHeadDim * 2;  // bf16 [2][64][512], swizzled
-constexpr int kSmemP = kSmemK + 2 * kTileTokens * kHeadDim * 2;  // bf16 [hi (, lo)][64][64], swizzled
-constexpr int kSmemPBytes = kHeadsPerCta * kTileTokens * 2;         // one of P_hi / P_lo
-constexpr int kSmemRowMax = kSmemP + (1 + kPHiLo) * kSmemPBytes;     // f32 [2][64]
-constexpr int kSmemAlpha = kSmemRowMax + 2 * 64 * 4;                 // f32 [64]
-constexpr int kSmemLsum = kSmemAlpha + 64 * 4;                       // f32 [2][64]
-constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                    // f32 [64]
-constexpr int kSmemValid = kSmemMfin + 64 * 4;                       // u16 [2 buffers][4 producer warps]
-constexpr int kSmemBytes = kSmemValid + 16;                          // 214544 B (206352 with plain bf16 P)
-static_assert(kSmemBytes <= 227 * 1024, "attention CTA shared memory exceeds the sm_90 limit");
+// Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P
+// are f16 in the 128-byte-swizzled layout wgmma reads (prims.cuh): a [rows][512] matrix is 8
+// column blocks of 64 dims, block j = [rows][128 B] at j * rows * 128, chunk c of a row at c ^ (row & 7).
+constexpr int kTileBytes = kTileTokens * kHeadDim * 2;                 // 65536: one K/V tile
+constexpr int kSmemQ = 0;                                              // f16 [64 heads][512]
+constexpr int kSmemK = kSmemQ + kHeadsPerCta * kHeadDim * 2;           // f16 [2 buffers][64 tokens][512]
+constexpr int kSmemP = kSmemK + 2 * kTileBytes;                        // f16 [2 buffers][64 heads][64 tokens]
+constexpr int kSmemPBytes = kHeadsPerCta * kTileTokens * 2;
+constexpr int kSmemRowMax = kSmemP + 2 * kSmemPBytes;                  // f32 [2][64]
+constexpr int kSmemAlpha = kSmemRowMax + 2 * 64 * 4;                   // f32 [64] (mma.sync consumers)
+constexpr int kSmemLsum = kSmemAlpha + 64 * 4;                         // f32 [2][64]
+constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                      // f32 [64]
+constexpr int kSmemValid = kSmemMfin + 64 * 4;                         // u16 [2 buffers][4 producer warps]
+constexpr int kSmemBytes = kSmemValid + 16;                            // 214544
+constexpr int kSmemAlign = 1024;                                       // swizzle atoms
+constexpr int kSmemLaunchBytes = kSmemBytes + kSmemAlign;              // dynamic bytes requested
+static_assert(kSmemLaunchBytes <= 227 * 1024, "attention CTA shared memory exceeds the sm_90 limit");
 
 }  // namespace dsv41

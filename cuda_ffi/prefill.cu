@@ -13,9 +13,9 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   static unsigned long long done = 0;
   const long long grid = (long long)p.num_groups * p.s_q;
   if (grid <= 0) return cudaSuccess;
-  cudaError_t e = ensure_smem_limit((const void*)dsv41_prefill_kernel, kSmemBytes, &done);
+  cudaError_t e = ensure_smem_limit((const void*)dsv41_prefill_kernel, kSmemLaunchBytes, &done);
   if (e != cudaSuccess) return e;
-  dsv41_prefill_kernel<<<(unsigned)grid, kThreads, kSmemBytes, stream>>>(p);
+  dsv41_prefill_kernel<<<(unsigned)grid, kThreads, kSmemLaunchBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -177,6 +177,60 @@ DEVFN uint32_t pack_bf16x2(float lo, float hi) {
 #endif
 }
 
+// f16 <-> f32. The kernels' tensor-core operands are f16 (11-bit significand, f32 accumulation):
+// bf16 and e4m3 x 2^e values inside f16's range convert exactly, and a single f16 P is accurate
+// enough for FlashMLA's output tolerance where a single bf16 P is not (cuda_notes.md).
+DEVFN float f16_to_f32(uint32_t h) {
+#if DSV41_DEVICE
+  float f;
+  unsigned short u = (unsigned short)(h & 0xffffu);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(u));
+  return f;
+#else
+  const uint32_t s = (h >> 15) & 1u, e = (h >> 10) & 31u, m = h & 1023u;
+  float v;
+  if (e == 31) v = m ? NAN : INFINITY;
+  else if (e == 0) v = std::ldexp((float)m, -24);
+  else v = std::ldexp((float)(m | 1024u), (int)e - 25);
+  return s ? -v : v;
+#endif
+}
+DEVFN float f16_lo(uint32_t packed) { return f16_to_f32(packed & 0xffffu); }
+DEVFN float f16_hi(uint32_t packed) { return f16_to_f32(packed >> 16); }
+
+#if !DSV41_DEVICE
+// f32 -> f16 bits, round to nearest even, saturating finite values to +-65504 (cvt .satfinite).
+inline uint32_t f32_to_f16_satfinite(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7fffu;  // NaN
+  if (a >= 0x477ff000u) return sign | 0x7bffu;  // >= 65520 rounds past 65504 (inf included): saturate
+  if (a < 0x38800000u) {  // below 2^-14: f16 subnormal (or zero), units of 2^-24
+    const float q = std::ldexp(bits_f32(a), 24);
+    return sign | (uint32_t)std::nearbyint(q);  // default rounding mode: to nearest even
+  }
+  uint32_t r = ((a - 0x38000000u) >> 13);  // rebias 127 -> 15, drop 13 mantissa bits
+  const uint32_t rem = a & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  return sign | r;
+}
+#endif
+
+// Two f32 -> packed f16x2, round to nearest even, finite values beyond +-65504 saturate; `lo` goes
+// to bits 0..15.
+DEVFN uint32_t pack_f16x2(float lo, float hi) {
+#if DSV41_DEVICE
+  uint32_t r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return f32_to_f16_satfinite(lo) | (f32_to_f16_satfinite(hi) << 16);
+#endif
+}
+// Two packed bf16 -> two packed f16 (exact inside f16's range).
+DEVFN uint32_t bf16x2_to_f16x2(uint32_t v) { return pack_f16x2(bf16_lo(v), bf16_hi(v)); }
+
 // Two e4m3 (OCP fp8, finite-only "fn" variant) in one 16-bit word -> two f32; the low byte is
 // the first element. Exact: e4m3 values are representable in f16 and f32.
 DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes) {
@@ -269,16 +323,16 @@ DEVFN void ldsm_x4_trans(uint32_t r[4], const void* row_addr) {
 #endif
 }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += A * B.
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, d += A * B.
 // With g = lane / 4 and t = lane % 4 (pairs: first element in the low half):
 //   A (16x16, row major): a[0] = A[g][2t..2t+1],   a[1] = A[g+8][2t..2t+1],
 //                         a[2] = A[g][2t+8..2t+9], a[3] = A[g+8][2t+8..2t+9]
 //   B (16x8, k x n):      b[0] = B[2t..2t+1][g],   b[1] = B[2t+8..2t+9][g]
 //   C/D (16x8, f32):      d[0] = C[g][2t], d[1] = C[g][2t+1], d[2] = C[g+8][2t], d[3] = C[g+8][2t+1]
-DEVFN void mma_bf16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+DEVFN void mma_f16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
 #if DSV41_DEVICE
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -293,12 +347,12 @@ DEVFN void mma_bf16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t
       In x;
       std::memcpy(&x, dd[l], sizeof x);
       int g = l >> 2, t = l & 3;
-      A[g][2 * t] = bf16_lo(x.a[0]);     A[g][2 * t + 1] = bf16_hi(x.a[0]);
-      A[g + 8][2 * t] = bf16_lo(x.a[1]); A[g + 8][2 * t + 1] = bf16_hi(x.a[1]);
-      A[g][2 * t + 8] = bf16_lo(x.a[2]); A[g][2 * t + 9] = bf16_hi(x.a[2]);
-      A[g + 8][2 * t + 8] = bf16_lo(x.a[3]); A[g + 8][2 * t + 9] = bf16_hi(x.a[3]);
-      B[2 * t][g] = bf16_lo(x.b[0]);     B[2 * t + 1][g] = bf16_hi(x.b[0]);
-      B[2 * t + 8][g] = bf16_lo(x.b[1]); B[2 * t + 9][g] = bf16_hi(x.b[1]);
+      A[g][2 * t] = f16_lo(x.a[0]);     A[g][2 * t + 1] = f16_hi(x.a[0]);
+      A[g + 8][2 * t] = f16_lo(x.a[1]); A[g + 8][2 * t + 1] = f16_hi(x.a[1]);
+      A[g][2 * t + 8] = f16_lo(x.a[2]); A[g][2 * t + 9] = f16_hi(x.a[2]);
+      A[g + 8][2 * t + 8] = f16_lo(x.a[3]); A[g + 8][2 * t + 9] = f16_hi(x.a[3]);
+      B[2 * t][g] = f16_lo(x.b[0]);     B[2 * t + 1][g] = f16_hi(x.b[0]);
+      B[2 * t + 8][g] = f16_lo(x.b[1]); B[2 * t + 9][g] = f16_hi(x.b[1]);
     }
     int g = lane >> 2, t = lane & 3;
     const int rows[4] = {g, g, g + 8, g + 8};
@@ -311,5 +365,147 @@ DEVFN void mma_bf16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t
   });
 #endif
 }
+
+
+// ------------------------------------------------------------------------------ wgmma (sm_90a)
+// Warpgroup MMA, f16 x f16 -> f32, both operands from shared memory through 64-bit matrix
+// descriptors. Only the sm_90a device build issues them (DSV41_WGMMA); the emulator computes the
+// same products from the same descriptors, warp by warp (warp r of the warpgroup owns rows
+// 16r..16r+15, as on the GPU).
+//
+// Descriptor (PTX ISA, "Matrix Descriptor Format", wgmma): bits 0-13 start address >> 4, 16-29
+// leading-dimension byte offset >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle
+// (1 = 128-byte). Every operand here uses the 128-byte swizzle: rows of 128 B (64 f16), 8-row
+// atoms of 1024 B (1024-aligned), 16-byte chunk c of row r stored at chunk c ^ (r & 7), i.e.
+// byte-address bits 4-6 XOR bits 7-9.
+//  * K-major (rows = M or N, 16 k-elements per instruction inside one 128-B row): SBO = the
+//    stride between 8-row groups (1024 B); LBO unused; k-step j of an atom starts at +32j B.
+//  * MN-major (B with the transpose bit; rows = k, 64 contiguous n per 128-B row): LBO = the
+//    stride between 64-column blocks, SBO = the stride between 8-row (k) groups.
+// The accumulator fragment of m64nNk16 is mma.sync's C fragment per 8-column block n:
+//   d[4n + 0..1] = D[16r + g][8n + 2t + 0..1], d[4n + 2..3] = D[16r + g + 8][8n + 2t + 0..1].
+#ifndef DSV41_WGMMA
+#if DSV41_DEVICE
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL) && \
+    !defined(DSV41_FORCE_MMA_SYNC)
+#define DSV41_WGMMA 1
+#else
+#define DSV41_WGMMA 0
+#endif
+#else
+#define DSV41_WGMMA 1  // emulator default; -DDSV41_WGMMA=0 builds the mma.sync consumers instead
+#endif
+#endif
+constexpr bool kWgmma = DSV41_WGMMA != 0;
+
+// Shared-window address of a shared-memory pointer (emulator: offset from the CTA's shared base).
+DEVFN uint32_t smem_addr(const void* p) {
+#if DSV41_DEVICE
+  return (uint32_t)__cvta_generic_to_shared(p);
+#else
+  return (uint32_t)(static_cast<const char*>(p) - emu::cur_cta->smem);
+#endif
+}
+
+// The kernels' shared-memory base: the dynamic allocation rounded up to a 1024-byte boundary of
+// the shared window (launches request kSmemAlign extra bytes; the emulator's base is aligned).
+DEVFN char* align_smem(char* raw) {
+  return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
+}
+
+DEVFN uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3ffffu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3fffu) << 16) |
+         ((uint64_t)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
+}
+
+// Generic-proxy shared-memory writes (st.shared) become visible to the async proxy (wgmma
+// operand reads) once the writer executed this and then synchronised with the reader.
+DEVFN void fence_proxy_async() {
+#if DSV41_DEVICE && DSV41_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+#if DSV41_DEVICE && DSV41_WGMMA
+DEVFN void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+DEVFN void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+DEVFN void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
+template <int N>
+DEVFN void reg_fence(float* d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d[16] += A[64x16] (K-major) * B[16x32] (K-major: 32 rows of n)
+DEVFN void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(1));
+}
+// d[128] += A[64x16] (K-major) * B[16x256] (MN-major: transpose bit set)
+DEVFN void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(1));
+}
+#else
+DEVFN void wgmma_fence() {}
+DEVFN void wgmma_commit() {}
+DEVFN void wgmma_wait0() {}
+template <int N>
+DEVFN void reg_fence(float*) {}
+#if DSV41_DEVICE  // builds without wgmma (sm_100a, DSV41_FORCE_MMA_SYNC) never call these
+DEVFN void wgmma_m64n32k16(float*, uint64_t, uint64_t) { __trap(); }
+DEVFN void wgmma_m64n256k16_tb(float*, uint64_t, uint64_t) { __trap(); }
+#else
+namespace wgemu {
+// Byte offset of element (row, col) of an operand described by `desc` (128-byte swizzle).
+// kmajor: row = m or n, col = k in 0..15. mn-major: row = k in 0..15, col = n.
+inline uint32_t elem_addr(uint64_t desc, int row, int col, bool kmajor) {
+  const uint32_t start = (uint32_t)(desc & 0x3fffu) << 4;
+  const uint32_t lbo = (uint32_t)((desc >> 16) & 0x3fffu) << 4;
+  const uint32_t sbo = (uint32_t)((desc >> 32) & 0x3fffu) << 4;
+  if ((desc >> 62) != 1u) emu::fail("wgmma emulation: only the 128-byte swizzle is modelled");
+  uint32_t a;
+  if (kmajor) a = start + (uint32_t)(row >> 3) * sbo + (uint32_t)(row & 7) * 128u + 2u * (uint32_t)col;
+  else a = start + (uint32_t)(col >> 6) * lbo + 2u * (uint32_t)(col & 63) + (uint32_t)(row & 7) * 128u +
+           (uint32_t)(row >> 3) * sbo;
+  return a ^ (((a >> 7) & 7u) << 4);
+}
+inline float elem(uint64_t desc, int row, int col, bool kmajor) {
+  uint16_t h;
+  std::memcpy(&h, emu::cur_cta->smem + elem_addr(desc, row, col, kmajor), 2);
+  return f16_to_f32(h);
+}
+// One warp's share of m64nNk16: rows 16*(warp & 3) .. +15.
+inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
+  struct In { uint64_t da, db; } in{da, db};
+  const int lane = lane_idx(), wr = warp_idx() & 3;
+  emu::warp_collective(emu::kTagWgmma, &in, sizeof in, [&](auto& dd) {
+    for (int l = 0; l < 32; ++l) {
+      In x;
+      std::memcpy(&x, dd[l], sizeof x);
+      if (x.da != in.da || x.db != in.db) emu::fail("wgmma: lanes of a warp passed different descriptors");
+    }
+  });
+  const int g = lane >> 2, t = lane & 3;
+  for (int nb = 0; nb < n / 8; ++nb)
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * wr + g + 8 * (e >> 1), col = 8 * nb + 2 * t + (e & 1);
+      float acc = d[4 * nb + e];
+      for (int k = 0; k < 16; ++k)
+        acc += elem(da, row, k, true) * (b_trans ? elem(db, k, col, false) : elem(db, col, k, true));
+      d[4 * nb + e] = acc;
+    }
+}
+}  // namespace wgemu
+inline void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 32, da, db, false); }
+inline void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 256, da, db, true); }
+#endif
+#endif
 
 }  // namespace dsv41

@@ -60,6 +60,17 @@ def emu():
     return emulate.load(path)
 
 
+@pytest.fixture(scope="module")
+def emu_mma_sync():
+    """The emulator built with sm_100a's consumer warps (mma.sync), which sm_90a replaces by wgmma."""
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    from cuda_ffi import emulate
+
+    path = cbuild.build_emulator(consumer="mma_sync")
+    return emulate.load(path, consumer="mma_sync")
+
+
 def _decode_call(case) -> DecodeCall:
     kw = case.kwargs()
     return _make_decode_call(case.q, case.kv_cache, case.indices, case.topk_length, kw["kv_format"],
@@ -176,10 +187,10 @@ def test_auto_falls_back_to_xla_on_cpu():
 
 
 # ------------------------------------------------------------------------------ the kernels (emulated)
-def _check_decode(case, *, num_sms=132, seed=1):
+def _check_decode(case, *, num_sms=132, seed=1, consumer="wgmma"):
     from cuda_ffi.emulate import decode_emulated
 
-    out, lse = decode_emulated(_decode_call(case), num_sms=num_sms, seed=seed)
+    out, lse = decode_emulated(_decode_call(case), num_sms=num_sms, seed=seed, consumer=consumer)
     case.check(out, lse, "emulated decode")
     return out, lse
 
@@ -207,6 +218,45 @@ def test_emulated_decode_grid(emu, name):
 ])
 def test_emulated_decode_shapes(emu, kw, num_sms):
     _check_decode(make_decode_case(21, **kw), num_sms=num_sms)
+
+
+@pytest.mark.parametrize("kw,num_sms", [
+    (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
+    (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
+])
+def test_emulated_decode_mma_sync_consumers(emu_mma_sync, kw, num_sms):
+    # sm_100a's consumer warps (mma.sync + ldmatrix over the same tile layout)
+    _check_decode(make_decode_case(31, **kw), num_sms=num_sms, consumer="mma_sync")
+
+
+def test_emulated_prefill_mma_sync_consumers(emu_mma_sync):
+    from cuda_ffi.emulate import prefill_emulated
+
+    case = make_prefill_case(32, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf")
+    out, ml, lse = prefill_emulated(_prefill_call(case), consumer="mma_sync")
+    e_out, e_ml, e_lse = case.expected()
+    assert_close(out, e_out, "prefill_out", "out")
+    assert_close(ml, e_ml, "prefill_max_logits", "max_logits")
+    assert_close(lse, e_lse, "prefill_lse", "lse")
+
+
+def test_f16_operands_saturate_and_stay_finite(emu):
+    # The kernels' tensor-core operands are f16: a latent value beyond 65504 saturates to 65504
+    # instead of becoming inf (which would turn scores into NaN). With dims 0..7 of every kv row at
+    # +-1e6, the emulated kernel equals the float64 oracle on the saturated cache.
+    from cuda_ffi.emulate import prefill_emulated
+
+    case = make_prefill_case(33, s_q=2, h_q=4, s_kv=64, topk=64)
+    kv = np.asarray(case.kv, np.float32)
+    kv[:, :8] = 1e6 * np.where(kv[:, :8] < 0, -1.0, 1.0)
+    big = dataclasses.replace(case, kv=jnp.asarray(kv, jnp.bfloat16))
+    out, ml, lse = prefill_emulated(_prefill_call(big))
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+    sat = dataclasses.replace(case, kv=jnp.asarray(np.clip(np.asarray(big.kv, np.float32), -65504, 65504)))
+    e_out, _, e_lse = sat.expected()
+    assert np.abs(e_out).max() > 6e4  # the saturated values do reach the output
+    assert_close(out, e_out, "prefill_out", "out")
+    assert_close(lse, e_lse, "prefill_lse", "lse")
 
 
 def test_emulated_decode_lengths_past_topk_and_poison(emu):
