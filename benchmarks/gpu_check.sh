@@ -12,6 +12,9 @@
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
 #   sanitizer     compute-sanitizer memcheck over one cuda decode and one prefill
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
+#   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
+#                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither) and for
+#                 the mma.sync consumers on sm_90a; not recorded (experiments)
 # Logs, JSON, the roofline PNG and benchmark rows for benchmarks/RESULTS.md go to $OUT (default gpu_out/).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +43,15 @@ for s in "${stages[@]}"; do
     bench-full) run timeout 560 $PY -m benchmarks.sparse_mla --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
     sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m cuda_ffi.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
     sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;
+    cuda-ablation)
+      for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
+               "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync"; do
+        name="${v%%:*}"; flags="${v#*:}"
+        echo "--- variant $name ($flags)"
+        $PY -m cuda_ffi.build --archs 90a --out-dir "/tmp/dsv41_$name" $flags > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
+        DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
+          --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill)" | tee -a "$OUT/ablation.log"
+      done ;;
     *) echo "unknown stage $s"; status=2 ;;
   esac
 done

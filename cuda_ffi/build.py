@@ -107,9 +107,12 @@ CONSUMERS = ("wgmma", "mma_sync")
 
 
 def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_dir: Path = LIB_DIR,
-                  build_dir: Path = BUILD_DIR, verbose: bool = False, force_mma_sync: bool = False) -> Path:
+                  build_dir: Path = BUILD_DIR, verbose: bool = False, force_mma_sync: bool = False,
+                  defines: tuple[str, ...] = ()) -> Path:
     """Configure and build libdsv41_cuda.so with CMake; returns its path. sm_90a gets the wgmma
-    consumers unless `force_mma_sync` (timing comparisons); sm_100a always the mma.sync ones."""
+    consumers unless `force_mma_sync` (timing comparisons); sm_100a always the mma.sync ones.
+    `defines`: extra preprocessor definitions (NAME or NAME=VALUE) for experiments, e.g. the
+    DSV41_EXP_* switches of kernels.cuh that leave one stage out to time the others."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found (looked at $CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
@@ -123,7 +126,8 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
     _run([cmake, "-S", str(HERE), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
           f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DXLA_FFI_INCLUDE_DIR={_ffi_include_dir()}",
           f"-DDSV41_CUDA_ARCHS={archs}", f"-DDSV41_OUTPUT_DIR={out_dir}",
-          f"-DDSV41_FORCE_MMA_SYNC={'ON' if force_mma_sync else 'OFF'}"], log)
+          f"-DDSV41_FORCE_MMA_SYNC={'ON' if force_mma_sync else 'OFF'}",
+          f"-DDSV41_EXTRA_DEFINES={';'.join(defines)}"], log)
     _run([cmake, "--build", str(build_dir), "--parallel", str(jobs or max(os.cpu_count() or 1, 1))], log)
     lib = out_dir / LIB_NAME
     if not lib.is_file():
@@ -177,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--force-mma-sync", action="store_true",
                     help="sm_90a: build the mma.sync consumers instead of wgmma (timing comparisons)")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="extra preprocessor definition (experiments, e.g. DSV41_EXP_NO_GATHER); repeatable")
+    ap.add_argument("--out-dir", type=Path, default=LIB_DIR, help="where the library goes (default cuda_ffi/lib)")
     ap.add_argument("--emu", action="store_true", help="also build the host emulator (CPU tests)")
     ap.add_argument("--emu-only", action="store_true", help="build only the host emulator")
     ap.add_argument("--clean", action="store_true", help="remove the CMake build directory first")
@@ -186,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.clean and BUILD_DIR.exists():
             shutil.rmtree(BUILD_DIR)
         if not a.emu_only:
-            build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose, force_mma_sync=a.force_mma_sync)
-            print((LIB_DIR / "ptxas_report.txt").read_text())
+            build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose, force_mma_sync=a.force_mma_sync,
+                          defines=tuple(a.define), out_dir=a.out_dir)
+            print((a.out_dir / "ptxas_report.txt").read_text())
         if a.emu or a.emu_only:
             for consumer in CONSUMERS:
                 build_emulator(consumer=consumer)

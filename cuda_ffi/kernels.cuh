@@ -121,6 +121,9 @@ DEVFN TileAddr tile_addr(const TileSrc& t, int32_t idx, int pw, int lane) {
 
 // L2 prefetch of this warp's 16 rows of a tile: half-warp h of token l & 15 takes half the lines.
 DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, int lane) {
+#ifdef DSV41_EXP_NO_GATHER
+  return;
+#endif
   if (!t.ok || !((a.vmask >> (lane & 15)) & 1u)) return;
   const uint8_t* d = t.pool->base + a.doff;
   const int h = lane >> 4;
@@ -170,7 +173,11 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
       lo[jj] = make_u4(0, 0, 0, 0);
       hi[jj] = make_u4(0, 0, 0, 0);
       sc[jj] = 0;
+#ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
+      if (false) {
+#else
       if ((vmask >> j) & 1u) {  // warp-uniform
+#endif
         if (fp8) {
           if (lane < 28) {
             lo[jj] = ldg_nc_v4(base + d + 16 * lane);
@@ -367,11 +374,13 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
     for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
   reg_fence<16>(&s[0][0]);
   wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA  // experiment: no tensor-core work, everything else unchanged
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
     wgmma_m64n32k16(&s[0][0], wgmma_desc(qa + koff, 16, 1024), wgmma_desc(ka + koff + 32u * 128u * th, 16, 1024));
   }
+#endif
   wgmma_commit();
   wgmma_wait0();
   reg_fence<16>(&s[0][0]);
@@ -391,10 +400,12 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   }
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA
 #pragma unroll
   for (int kk = 0; kk < kTileTokens / 16; ++kk)
     wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc(pa + 32u * kk, 16, 1024),
                         wgmma_desc(ka + 4u * 8192u * th + 16u * 128u * kk, 8192, 1024));
+#endif
   wgmma_commit();
   wgmma_wait0();
   reg_fence<128>(&acc.o[0][0]);
