@@ -59,17 +59,31 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 
 // ============================================================================== producer
 // 16 fp8 (one 16-byte chunk) * 2^(e-127) -> 16 f16 in two 16-byte chunks (exact in f16's range).
+// Fast path, scale exponent k = e - 127 in [-14, 7]: e4m3x2 -> f16x2 and one f16x2 multiply by the
+// f16 power of two (exact: |e4m3| <= 448 so |x 2^k| <= 57344, and the smallest product m 2^-23
+// is on f16's subnormal grid). Other scales go through f32 with saturation.
 DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& second) {
-  // UE8M0 scale 2^(byte-127), built exactly (byte 0 -> 2^-127, a float subnormal).
-  const float scale = e8m0 ? bits_f32(e8m0 << 23) : bits_f32(0x00400000u);
   const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t o[8];
+  const int k = (int)e8m0 - 127;
+  if (k >= -14 && k <= 7) {
+    const uint32_t h = (uint32_t)(k + 15) << 10;
+    const uint32_t sc2 = h | (h << 16);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 a = e4m3x2_to_f32x2(wv[i] & 0xffffu);  // elements 4i, 4i+1
-    const float2 b = e4m3x2_to_f32x2(wv[i] >> 16);      // elements 4i+2, 4i+3
-    o[2 * i] = pack_f16x2(a.x * scale, a.y * scale);
-    o[2 * i + 1] = pack_f16x2(b.x * scale, b.y * scale);
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = hmul2(e4m3x2_to_f16x2(wv[i] & 0xffffu), sc2);  // elements 4i, 4i+1
+      o[2 * i + 1] = hmul2(e4m3x2_to_f16x2(wv[i] >> 16), sc2);  // elements 4i+2, 4i+3
+    }
+  } else {
+    // UE8M0 scale 2^(byte-127), built exactly (byte 0 -> 2^-127, a float subnormal).
+    const float scale = e8m0 ? bits_f32(e8m0 << 23) : bits_f32(0x00400000u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = e4m3x2_to_f32x2(wv[i] & 0xffffu);
+      const float2 b = e4m3x2_to_f32x2(wv[i] >> 16);
+      o[2 * i] = pack_f16x2(a.x * scale, a.y * scale);
+      o[2 * i + 1] = pack_f16x2(b.x * scale, b.y * scale);
+    }
   }
   first = make_u4(o[0], o[1], o[2], o[3]);
   second = make_u4(o[4], o[5], o[6], o[7]);
@@ -145,73 +159,62 @@ DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, int lane) {
   }
 }
 
-// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of K buffer `buf` with its 16 tokens of
-// tile `t` (addresses `a` from tile_addr), and its 16 bits of the validity mask. Lane l owns
-// dims 16l..16l+15 of every row: for fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those
-// dims (scale byte l/4: one UE8M0 per 64 dims), lanes 28..31 the 32 bytes of their bf16 RoPE
-// dims; for bf16 every lane reads its 32 bytes. Tokens go in two batches of 8 (8 x 32 B in
-// flight per lane) and are written as two 16-byte chunks per lane.
-DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, int pw, int lane) {
-  const Pool& pool = *t.pool;
-  const int64_t doff = a.doff, soff = a.soff;
-  const uint32_t vmask = a.vmask;
-  const bool fp8 = pool.fmt == kFmtFp8DsMla;  // warp-uniform
-  if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)vmask;
-  char* kbuf = smem + kSmemK + buf * kTileBytes;
-  const uint8_t* base = pool.base;
-  // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
-  const bool swap = (lane >> 2) & 1;
-#pragma unroll 1
-  for (int jb = 0; jb < 16; jb += 8) {
-    uint4 lo[8], hi[8];
-    uint32_t sc[8];
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int j = jb + jj;
-      const int64_t d = shfl_idx_i64(doff, j);
-      const int64_t s = fp8 ? shfl_idx_i64(soff, j) : 0;
-      lo[jj] = make_u4(0, 0, 0, 0);
-      hi[jj] = make_u4(0, 0, 0, 0);
-      sc[jj] = 0;
+// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of each K tile with its 16 tokens. Lane l
+// owns dims 16l..16l+15 of every row: for fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those
+// dims (scale byte l/4: one UE8M0 per 64 dims), lanes 28..31 the 32 bytes of their bf16 RoPE dims;
+// for bf16 every lane reads its 32 bytes. Each token becomes two 16-byte f16 chunks per lane.
+// The loads run kRing tokens ahead of the stores, across tile boundaries (a continuous stream:
+// while token j is dequantized and stored, the loads of token j + kRing are in flight).
+constexpr int kRing = 8;
+struct TokenRaw {
+  uint4 lo, hi;
+  uint32_t sc;
+};
+
+// Warp-uniform in (t.ok, j). Masked tokens load nothing and store a zero row.
+DEVFN void load_token(TokenRaw& r, const TileSrc& t, const TileAddr& a, int j, int lane) {
+  const int64_t d = shfl_idx_i64(a.doff, j);
+  const bool fp8 = t.pool->fmt == kFmtFp8DsMla;
+  const int64_t so = fp8 ? shfl_idx_i64(a.soff, j) : 0;
+  r.lo = make_u4(0, 0, 0, 0);
+  r.hi = make_u4(0, 0, 0, 0);
+  r.sc = 0;
 #ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
-      if (false) {
+  if (false) {
 #else
-      if ((vmask >> j) & 1u) {  // warp-uniform
+  if (t.ok && ((a.vmask >> j) & 1u)) {
 #endif
-        if (fp8) {
-          if (lane < 28) {
-            lo[jj] = ldg_nc_v4(base + d + 16 * lane);
-            sc[jj] = ldg_nc_u8(base + s + (lane >> 2));
-          } else {
-            const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
-            lo[jj] = ldg_nc_v4(rp);
-            hi[jj] = ldg_nc_v4(rp + 16);
-          }
-        } else {
-          lo[jj] = ldg_nc_v4(base + d + 32 * lane);
-          hi[jj] = ldg_nc_v4(base + d + 32 * lane + 16);
-        }
+    const uint8_t* base = t.pool->base;
+    if (fp8) {
+      if (lane < 28) {
+        r.lo = ldg_nc_v4(base + d + 16 * lane);
+        r.sc = ldg_nc_u8(base + so + (lane >> 2));
+      } else {
+        const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
+        r.lo = ldg_nc_v4(rp);
+        r.hi = ldg_nc_v4(rp + 16);
       }
-    }
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int r = 16 * pw + jb + jj;
-      uint4 first = lo[jj], second = hi[jj];
-      if (fp8 && lane < 28) {
-        dequant16(lo[jj], sc[jj], first, second);
-      } else {  // bf16 (RoPE dims of an fp8 record, or a bf16 row) -> f16
-        first = make_u4(bf16x2_to_f16x2(first.x), bf16x2_to_f16x2(first.y), bf16x2_to_f16x2(first.z),
-                        bf16x2_to_f16x2(first.w));
-        second = make_u4(bf16x2_to_f16x2(second.x), bf16x2_to_f16x2(second.y), bf16x2_to_f16x2(second.z),
-                         bf16x2_to_f16x2(second.w));
-      }
-      *reinterpret_cast<uint4*>(kbuf + tile_off(r, 2 * lane + (swap ? 1 : 0))) = swap ? second : first;
-      *reinterpret_cast<uint4*>(kbuf + tile_off(r, 2 * lane + (swap ? 0 : 1))) = swap ? first : second;
+    } else {
+      r.lo = ldg_nc_v4(base + d + 32 * lane);
+      r.hi = ldg_nc_v4(base + d + 32 * lane + 16);
     }
   }
-  // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
-  // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
-  fence_proxy_async();
+}
+
+DEVFN void store_token(char* kbuf, const TokenRaw& raw, bool fp8, int row, int lane) {
+  uint4 first = raw.lo, second = raw.hi;
+  if (fp8 && lane < 28) {
+    dequant16(raw.lo, raw.sc, first, second);
+  } else {  // bf16 (RoPE dims of an fp8 record, or a bf16 row) -> f16
+    first = make_u4(bf16x2_to_f16x2(raw.lo.x), bf16x2_to_f16x2(raw.lo.y), bf16x2_to_f16x2(raw.lo.z),
+                    bf16x2_to_f16x2(raw.lo.w));
+    second = make_u4(bf16x2_to_f16x2(raw.hi.x), bf16x2_to_f16x2(raw.hi.y), bf16x2_to_f16x2(raw.hi.z),
+                     bf16x2_to_f16x2(raw.hi.w));
+  }
+  // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
+  const bool swap = (lane >> 2) & 1;
+  *reinterpret_cast<uint4*>(kbuf + tile_off(row, 2 * lane + (swap ? 1 : 0))) = swap ? second : first;
+  *reinterpret_cast<uint4*>(kbuf + tile_off(row, 2 * lane + (swap ? 0 : 1))) = swap ? first : second;
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -222,6 +225,9 @@ DEVFN void produce_tiles(char* smem, int pw, int lane, Next&& next) {
   TileSrc t1 = next();
   int32_t i1 = tile_index(t1, pw, lane);
   TileAddr a0 = tile_addr(t0, tile_index(t0, pw, lane), pw, lane);
+  TokenRaw ring[kRing];
+#pragma unroll
+  for (int j = 0; j < kRing; ++j) load_token(ring[j], t0, a0, j, lane);
   int tc = 0;
   for (; t0.ok; ++tc) {
     const TileSrc t2 = next();
@@ -230,7 +236,21 @@ DEVFN void produce_tiles(char* smem, int pw, int lane, Next&& next) {
     tile_prefetch(t1, a1, lane);
     const int buf = tc & 1;
     if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // consumers released tile tc - 2
-    fill_tile(smem, buf, t0, a0, pw, lane);
+    if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)a0.vmask;
+    char* kbuf = smem + kSmemK + buf * kTileBytes;
+    const bool fp8 = t0.pool->fmt == kFmtFp8DsMla;  // warp-uniform
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      store_token(kbuf, ring[j % kRing], fp8, 16 * pw + j, lane);
+      if (j + kRing < 16)
+        load_token(ring[j % kRing], t0, a0, j + kRing, lane);
+      else
+        load_token(ring[j % kRing], t1, a1, j + kRing - 16, lane);
+    }
+    // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
+    // ISA's producer/consumer example). The generic -> async proxy fence for wgmma is executed by the
+    // consumers after that bar.sync: here it would compile to a MEMBAR that waits for the ring's
+    // loads in flight.
     bar_arrive(kBarFull0 + buf, kThreads);
     t0 = t1;
     a0 = a1;
@@ -364,6 +384,7 @@ DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane)
 // the rescale needs no exchange.
 DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
   const int th = w >> 2;
+  fence_proxy_async();  // the producers' st.shared of this tile (ordered before us by FULL) -> wgmma
   const uint32_t qa = smem_addr(smem + kSmemQ);
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
   const uint32_t pa = smem_addr(smem + kSmemP + buf * kSmemPBytes);

@@ -12,8 +12,8 @@ constexpr int kTileTokens = 64;     // tokens of one K/V tile (and one split-pla
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerWarps = 4;  // one warpgroup: setmaxnreg needs whole warpgroups
 constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
-constexpr int kProducerRegs = 104;  // setmaxnreg: 2 x 200 + 104 = 504 <= 512 registers per lane slot
-constexpr int kConsumerRegs = 200;
+constexpr int kProducerRegs = 128;  // setmaxnreg: 2 x 184 + 128 = 496 <= 512 registers per lane slot
+constexpr int kConsumerRegs = 184;
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
 constexpr int kPlanThreads = 32;                                  // the split planner: one warp
 constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)

@@ -259,6 +259,29 @@ DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes) {
   return r;
 }
 
+// Two e4m3 in one 16-bit word -> packed f16x2 (exact; the low byte is the first element).
+DEVFN uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+#if DSV41_DEVICE
+  uint32_t h2;
+  unsigned short in = (unsigned short)(two_bytes & 0xffffu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  return h2;
+#else
+  const float2 f = e4m3x2_to_f32x2(two_bytes);
+  return pack_f16x2(f.x, f.y);
+#endif
+}
+// Packed f16x2 product, round to nearest even (mul.rn.f16x2).
+DEVFN uint32_t hmul2(uint32_t a, uint32_t b) {
+#if DSV41_DEVICE
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return pack_f16x2(f16_lo(a) * f16_lo(b), f16_hi(a) * f16_hi(b));  // exact products round once, as on the GPU
+#endif
+}
+
 DEVFN float fexp2(float x) {
 #if DSV41_DEVICE
   return exp2f(x);

@@ -259,6 +259,30 @@ def test_f16_operands_saturate_and_stay_finite(emu):
     assert_close(lse, e_lse, "prefill_lse", "lse")
 
 
+def test_emulated_decode_both_dequant_paths(emu):
+    # dequant16 multiplies in f16x2 when the UE8M0 scale exponent k is in [-14, 7] and goes through f32
+    # otherwise. Half the tokens are unit-scale (k ~ -8), half are positive with x up to 59904 (k = 8,
+    # still inside f16's range; positive so that no output is a cancellation of large terms, which
+    # FlashMLA's tolerance does not allow for), so a wrong f32 path shows in the outputs they dominate.
+    from dsv41_jax import kv_cache as kvc
+
+    case = make_decode_case(34, b=2, s_q=2, h_q=8, topk=128, fmt="fp8_ds_mla", lengths="full")
+    idx = np.asarray(case.indices)
+    cap = case.kv_cache.shape[0] * case.block_size
+    slots = np.unique(idx[(idx >= 0) & (idx < cap)])
+    rng = np.random.default_rng(5)
+    rows = rng.uniform(-1, 1, (slots.size, 512))
+    big = rng.random(slots.size) < 0.5
+    rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
+    rows[big, ::64] = 59904.0  # pins every 64-dim tile's amax: scale 2^8
+    cache = kvc.insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), jnp.asarray(slots, jnp.int32),
+                       fmt="fp8_ds_mla", block_size=case.block_size)
+    scales = np.asarray(cache).reshape(cache.shape[0], -1)[:, case.block_size * 576:case.block_size * 584]
+    k = scales.reshape(-1, 8)[:, :7].astype(int) - 127
+    assert (k == 8).any() and ((k >= -14) & (k <= 7)).any(), "both dequant paths must be exercised"
+    _check_decode(dataclasses.replace(case, kv_cache=cache), num_sms=4)
+
+
 def test_emulated_decode_lengths_past_topk_and_poison(emu):
     # topk_length > topk is clamped; every slot not written is NaN / 0xFF; q rows of padded heads are 0.
     case = make_decode_case(22, b=3, s_q=1, h_q=5, topk=70, fmt="fp8_ds_mla", lengths="full", invalid_frac=0.3)
