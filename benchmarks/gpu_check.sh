@@ -14,7 +14,8 @@
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
 #                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither) and for
-#                 the mma.sync consumers on sm_90a; not recorded (experiments)
+#                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
+#                 picks variants (default: "default no_gather no_mma neither mma_sync")
 # Logs, JSON, the roofline PNG and benchmark rows for benchmarks/RESULTS.md go to $OUT (default gpu_out/).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +48,9 @@ for s in "${stages[@]}"; do
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync"; do
         name="${v%%:*}"; flags="${v#*:}"
+        case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"
-        $PY -m cuda_ffi.build --archs 90a --out-dir "/tmp/dsv41_$name" $flags > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
+        $PY -m cuda_ffi.build --archs 90a --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" $flags > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
         DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
           --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill)" | tee -a "$OUT/ablation.log"
       done ;;

@@ -184,17 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
                     help="extra preprocessor definition (experiments, e.g. DSV41_EXP_NO_GATHER); repeatable")
     ap.add_argument("--out-dir", type=Path, default=LIB_DIR, help="where the library goes (default cuda_ffi/lib)")
+    ap.add_argument("--build-dir", type=Path, default=BUILD_DIR, help="CMake build directory (default cuda_ffi/build)")
     ap.add_argument("--emu", action="store_true", help="also build the host emulator (CPU tests)")
     ap.add_argument("--emu-only", action="store_true", help="build only the host emulator")
     ap.add_argument("--clean", action="store_true", help="remove the CMake build directory first")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     try:
-        if a.clean and BUILD_DIR.exists():
-            shutil.rmtree(BUILD_DIR)
+        if a.clean and a.build_dir.exists():
+            shutil.rmtree(a.build_dir)
         if not a.emu_only:
             build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose, force_mma_sync=a.force_mma_sync,
-                          defines=tuple(a.define), out_dir=a.out_dir)
+                          defines=tuple(a.define), out_dir=a.out_dir, build_dir=a.build_dir)
             print((a.out_dir / "ptxas_report.txt").read_text())
         if a.emu or a.emu_only:
             for consumer in CONSUMERS:

@@ -159,62 +159,86 @@ DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, int lane) {
   }
 }
 
-// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of each K tile with its 16 tokens. Lane l
-// owns dims 16l..16l+15 of every row: for fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those
-// dims (scale byte l/4: one UE8M0 per 64 dims), lanes 28..31 the 32 bytes of their bf16 RoPE dims;
-// for bf16 every lane reads its 32 bytes. Each token becomes two 16-byte f16 chunks per lane.
-// The loads run kRing tokens ahead of the stores, across tile boundaries (a continuous stream:
-// while token j is dequantized and stored, the loads of token j + kRing are in flight).
-constexpr int kRing = 8;
-struct TokenRaw {
-  uint4 lo, hi;
-  uint32_t sc;
-};
-
-// Warp-uniform in (t.ok, j). Masked tokens load nothing and store a zero row.
-DEVFN void load_token(TokenRaw& r, const TileSrc& t, const TileAddr& a, int j, int lane) {
-  const int64_t d = shfl_idx_i64(a.doff, j);
-  const bool fp8 = t.pool->fmt == kFmtFp8DsMla;
-  const int64_t so = fp8 ? shfl_idx_i64(a.soff, j) : 0;
-  r.lo = make_u4(0, 0, 0, 0);
-  r.hi = make_u4(0, 0, 0, 0);
-  r.sc = 0;
-#ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
-  if (false) {
-#else
-  if (t.ok && ((a.vmask >> j) & 1u)) {
-#endif
-    const uint8_t* base = t.pool->base;
-    if (fp8) {
-      if (lane < 28) {
-        r.lo = ldg_nc_v4(base + d + 16 * lane);
-        r.sc = ldg_nc_u8(base + so + (lane >> 2));
-      } else {
-        const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
-        r.lo = ldg_nc_v4(rp);
-        r.hi = ldg_nc_v4(rp + 16);
-      }
-    } else {
-      r.lo = ldg_nc_v4(base + d + 32 * lane);
-      r.hi = ldg_nc_v4(base + d + 32 * lane + 16);
-    }
-  }
-}
-
-DEVFN void store_token(char* kbuf, const TokenRaw& raw, bool fp8, int row, int lane) {
-  uint4 first = raw.lo, second = raw.hi;
-  if (fp8 && lane < 28) {
-    dequant16(raw.lo, raw.sc, first, second);
-  } else {  // bf16 (RoPE dims of an fp8 record, or a bf16 row) -> f16
-    first = make_u4(bf16x2_to_f16x2(raw.lo.x), bf16x2_to_f16x2(raw.lo.y), bf16x2_to_f16x2(raw.lo.z),
-                    bf16x2_to_f16x2(raw.lo.w));
-    second = make_u4(bf16x2_to_f16x2(raw.hi.x), bf16x2_to_f16x2(raw.hi.y), bf16x2_to_f16x2(raw.hi.z),
-                     bf16x2_to_f16x2(raw.hi.w));
-  }
+// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of K buffer `buf` with its 16 tokens of tile
+// `t` (addresses `a` from tile_addr) and its 16 bits of the validity mask. The loads of a batch are
+// all issued before the first is used, so a batch costs one memory latency:
+//  * fp8_ds_mla, one batch of 16 tokens (6 registers per token): lanes 0..27 read the 16 e4m3
+//    bytes of dims 16l..16l+15 and their UE8M0 byte (one per 64 dims), every lane reads 4 bytes of
+//    the bf16 RoPE dims (448 + 2l, +1);
+//  * bf16, two batches of 8 tokens: lane l reads the 32 bytes of dims 16l..16l+15.
+// Each token becomes f16 rows: two 16-byte chunks per lane (NoPE / bf16) and 4 RoPE bytes.
+DEVFN void store_chunk_pair(char* kbuf, int row, int lane, const uint4& first, const uint4& second) {
   // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
   const bool swap = (lane >> 2) & 1;
   *reinterpret_cast<uint4*>(kbuf + tile_off(row, 2 * lane + (swap ? 1 : 0))) = swap ? second : first;
   *reinterpret_cast<uint4*>(kbuf + tile_off(row, 2 * lane + (swap ? 0 : 1))) = swap ? first : second;
+}
+
+DEVFN uint4 bf16x8_to_f16x8(const uint4& v) {
+  return make_u4(bf16x2_to_f16x2(v.x), bf16x2_to_f16x2(v.y), bf16x2_to_f16x2(v.z), bf16x2_to_f16x2(v.w));
+}
+
+DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, int pw, int lane) {
+  const Pool& pool = *t.pool;
+  const uint32_t vmask = a.vmask;
+  if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)vmask;
+  char* kbuf = smem + kSmemK + buf * kTileBytes;
+  const uint8_t* base = pool.base;
+#ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
+  const uint32_t lmask = 0u;
+#else
+  const uint32_t lmask = vmask;
+#endif
+  if (pool.fmt == kFmtFp8DsMla) {  // warp-uniform
+    uint4 nope[16];
+    uint32_t rope[16], sc[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int64_t d = shfl_idx_i64(a.doff, j);
+      const int64_t so = shfl_idx_i64(a.soff, j);
+      nope[j] = make_u4(0, 0, 0, 0);
+      rope[j] = 0;
+      sc[j] = 0;
+      if ((lmask >> j) & 1u) {  // warp-uniform
+        if (lane < 28) {
+          nope[j] = ldg_nc_v4(base + d + 16 * lane);
+          sc[j] = ldg_nc_u8(base + so + (lane >> 2));
+        }
+        rope[j] = ldg_nc_u32(base + d + 448 + 4 * lane);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int r = 16 * pw + j;
+      if (lane < 28) {
+        uint4 first, second;
+        dequant16(nope[j], sc[j], first, second);
+        store_chunk_pair(kbuf, r, lane, first, second);
+      }
+      *reinterpret_cast<uint32_t*>(kbuf + tile_off(r, 56 + (lane >> 2)) + 4 * (lane & 3)) = bf16x2_to_f16x2(rope[j]);
+    }
+  } else {
+#pragma unroll 1
+    for (int jb = 0; jb < 16; jb += 8) {
+      uint4 lo[8], hi[8];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int64_t d = shfl_idx_i64(a.doff, jb + jj);
+        lo[jj] = make_u4(0, 0, 0, 0);
+        hi[jj] = make_u4(0, 0, 0, 0);
+        if ((lmask >> (jb + jj)) & 1u) {  // warp-uniform
+          lo[jj] = ldg_nc_v4(base + d + 32 * lane);
+          hi[jj] = ldg_nc_v4(base + d + 32 * lane + 16);
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+        store_chunk_pair(kbuf, 16 * pw + jb + jj, lane, bf16x8_to_f16x8(lo[jj]), bf16x8_to_f16x8(hi[jj]));
+    }
+  }
+  // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
+  // ISA's producer/consumer example); the generic -> async proxy fence wgmma needs is executed by
+  // the consumers after that bar.sync (consume_tile_wgmma).
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -225,9 +249,6 @@ DEVFN void produce_tiles(char* smem, int pw, int lane, Next&& next) {
   TileSrc t1 = next();
   int32_t i1 = tile_index(t1, pw, lane);
   TileAddr a0 = tile_addr(t0, tile_index(t0, pw, lane), pw, lane);
-  TokenRaw ring[kRing];
-#pragma unroll
-  for (int j = 0; j < kRing; ++j) load_token(ring[j], t0, a0, j, lane);
   int tc = 0;
   for (; t0.ok; ++tc) {
     const TileSrc t2 = next();
@@ -236,21 +257,7 @@ DEVFN void produce_tiles(char* smem, int pw, int lane, Next&& next) {
     tile_prefetch(t1, a1, lane);
     const int buf = tc & 1;
     if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // consumers released tile tc - 2
-    if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)a0.vmask;
-    char* kbuf = smem + kSmemK + buf * kTileBytes;
-    const bool fp8 = t0.pool->fmt == kFmtFp8DsMla;  // warp-uniform
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      store_token(kbuf, ring[j % kRing], fp8, 16 * pw + j, lane);
-      if (j + kRing < 16)
-        load_token(ring[j % kRing], t0, a0, j + kRing, lane);
-      else
-        load_token(ring[j % kRing], t1, a1, j + kRing - 16, lane);
-    }
-    // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
-    // ISA's producer/consumer example). The generic -> async proxy fence for wgmma is executed by the
-    // consumers after that bar.sync: here it would compile to a MEMBAR that waits for the ring's
-    // loads in flight.
+    fill_tile(smem, buf, t0, a0, pw, lane);
     bar_arrive(kBarFull0 + buf, kThreads);
     t0 = t1;
     a0 = a1;
@@ -384,7 +391,10 @@ DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane)
 // the rescale needs no exchange.
 DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
   const int th = w >> 2;
-  fence_proxy_async();  // the producers' st.shared of this tile (ordered before us by FULL) -> wgmma
+  // The producers' st.shared of this tile happen before this thread (FULL); order them before the
+  // wgmma reads (async proxy). Executed here rather than by the producers, where it would compile to
+  // a MEMBAR waiting for their look-ahead loads.
+  fence_proxy_async();
   const uint32_t qa = smem_addr(smem + kSmemQ);
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
   const uint32_t pa = smem_addr(smem + kSmemP + buf * kSmemPBytes);
