@@ -189,6 +189,44 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
 #else
   const uint32_t lmask = vmask;
 #endif
+#ifdef DSV41_EXP_FP8_BATCH8  // experiment: fp8 in two batches of 8, lanes 28..31 reading 32 RoPE bytes
+  if (pool.fmt == kFmtFp8DsMla) {
+#pragma unroll 1
+    for (int jb = 0; jb < 16; jb += 8) {
+      uint4 lo[8], hi[8];
+      uint32_t sc[8];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int64_t d = shfl_idx_i64(a.doff, jb + jj);
+        const int64_t so = shfl_idx_i64(a.soff, jb + jj);
+        lo[jj] = make_u4(0, 0, 0, 0);
+        hi[jj] = make_u4(0, 0, 0, 0);
+        sc[jj] = 0;
+        if ((lmask >> (jb + jj)) & 1u) {
+          if (lane < 28) {
+            lo[jj] = ldg_nc_v4(base + d + 16 * lane);
+            sc[jj] = ldg_nc_u8(base + so + (lane >> 2));
+          } else {
+            const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
+            lo[jj] = ldg_nc_v4(rp);
+            hi[jj] = ldg_nc_v4(rp + 16);
+          }
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        uint4 first, second;
+        if (lane < 28) {
+          dequant16(lo[jj], sc[jj], first, second);
+        } else {
+          first = bf16x8_to_f16x8(lo[jj]);
+          second = bf16x8_to_f16x8(hi[jj]);
+        }
+        store_chunk_pair(kbuf, 16 * pw + jb + jj, lane, first, second);
+      }
+    }
+  } else
+#endif
   if (pool.fmt == kFmtFp8DsMla) {  // warp-uniform
     uint4 nope[16];
     uint32_t rope[16], sc[16];
@@ -239,6 +277,9 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
   // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
   // ISA's producer/consumer example); the generic -> async proxy fence wgmma needs is executed by
   // the consumers after that bar.sync (consume_tile_wgmma).
+#ifdef DSV41_EXP_PRODUCER_FENCE
+  fence_proxy_async();
+#endif
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -394,7 +435,9 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   // The producers' st.shared of this tile happen before this thread (FULL); order them before the
   // wgmma reads (async proxy). Executed here rather than by the producers, where it would compile to
   // a MEMBAR waiting for their look-ahead loads.
+#ifndef DSV41_EXP_PRODUCER_FENCE
   fence_proxy_async();
+#endif
   const uint32_t qa = smem_addr(smem + kSmemQ);
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
   const uint32_t pa = smem_addr(smem + kSmemP + buf * kSmemPBytes);
