@@ -160,13 +160,13 @@ DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, int lane) {
 }
 
 // Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of K buffer `buf` with its 16 tokens of tile
-// `t` (addresses `a` from tile_addr) and its 16 bits of the validity mask. The loads of a batch are
-// all issued before the first is used, so a batch costs one memory latency:
-//  * fp8_ds_mla, one batch of 16 tokens (6 registers per token): lanes 0..27 read the 16 e4m3
-//    bytes of dims 16l..16l+15 and their UE8M0 byte (one per 64 dims), every lane reads 4 bytes of
-//    the bf16 RoPE dims (448 + 2l, +1);
-//  * bf16, two batches of 8 tokens: lane l reads the 32 bytes of dims 16l..16l+15.
-// Each token becomes f16 rows: two 16-byte chunks per lane (NoPE / bf16) and 4 RoPE bytes.
+// `t` (addresses `a` from tile_addr) and its 16 bits of the validity mask, in two batches of 8
+// tokens whose loads are all issued before the first is used. Lane l owns dims 16l..16l+15: for
+// fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those dims and their UE8M0 byte (one per 64
+// dims), lanes 28..31 the 32 bytes of their bf16 RoPE dims; for bf16 every lane reads 32 bytes.
+// Each token becomes two 16-byte f16 chunks per lane. (Measured alternatives, cuda_notes.md: one
+// batch of 16 fp8 tokens with the RoPE read as 4 bytes per lane, and a continuous 8-deep token
+// ring across tiles, were both slower on the H200.)
 DEVFN void store_chunk_pair(char* kbuf, int row, int lane, const uint4& first, const uint4& second) {
   // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
   const bool swap = (lane >> 2) & 1;
@@ -189,8 +189,7 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
 #else
   const uint32_t lmask = vmask;
 #endif
-#ifdef DSV41_EXP_FP8_BATCH8  // experiment: fp8 in two batches of 8, lanes 28..31 reading 32 RoPE bytes
-  if (pool.fmt == kFmtFp8DsMla) {
+  if (pool.fmt == kFmtFp8DsMla) {  // warp-uniform
 #pragma unroll 1
     for (int jb = 0; jb < 16; jb += 8) {
       uint4 lo[8], hi[8];
@@ -202,7 +201,7 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
         lo[jj] = make_u4(0, 0, 0, 0);
         hi[jj] = make_u4(0, 0, 0, 0);
         sc[jj] = 0;
-        if ((lmask >> (jb + jj)) & 1u) {
+        if ((lmask >> (jb + jj)) & 1u) {  // warp-uniform
           if (lane < 28) {
             lo[jj] = ldg_nc_v4(base + d + 16 * lane);
             sc[jj] = ldg_nc_u8(base + so + (lane >> 2));
@@ -225,36 +224,6 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
         store_chunk_pair(kbuf, 16 * pw + jb + jj, lane, first, second);
       }
     }
-  } else
-#endif
-  if (pool.fmt == kFmtFp8DsMla) {  // warp-uniform
-    uint4 nope[16];
-    uint32_t rope[16], sc[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int64_t d = shfl_idx_i64(a.doff, j);
-      const int64_t so = shfl_idx_i64(a.soff, j);
-      nope[j] = make_u4(0, 0, 0, 0);
-      rope[j] = 0;
-      sc[j] = 0;
-      if ((lmask >> j) & 1u) {  // warp-uniform
-        if (lane < 28) {
-          nope[j] = ldg_nc_v4(base + d + 16 * lane);
-          sc[j] = ldg_nc_u8(base + so + (lane >> 2));
-        }
-        rope[j] = ldg_nc_u32(base + d + 448 + 4 * lane);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int r = 16 * pw + j;
-      if (lane < 28) {
-        uint4 first, second;
-        dequant16(nope[j], sc[j], first, second);
-        store_chunk_pair(kbuf, r, lane, first, second);
-      }
-      *reinterpret_cast<uint32_t*>(kbuf + tile_off(r, 56 + (lane >> 2)) + 4 * (lane & 3)) = bf16x2_to_f16x2(rope[j]);
-    }
   } else {
 #pragma unroll 1
     for (int jb = 0; jb < 16; jb += 8) {
@@ -275,11 +244,8 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
     }
   }
   // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
-  // ISA's producer/consumer example); the generic -> async proxy fence wgmma needs is executed by
-  // the consumers after that bar.sync (consume_tile_wgmma).
-#ifdef DSV41_EXP_PRODUCER_FENCE
+  // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
   fence_proxy_async();
-#endif
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -432,12 +398,6 @@ DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane)
 // the rescale needs no exchange.
 DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
   const int th = w >> 2;
-  // The producers' st.shared of this tile happen before this thread (FULL); order them before the
-  // wgmma reads (async proxy). Executed here rather than by the producers, where it would compile to
-  // a MEMBAR waiting for their look-ahead loads.
-#ifndef DSV41_EXP_PRODUCER_FENCE
-  fence_proxy_async();
-#endif
   const uint32_t qa = smem_addr(smem + kSmemQ);
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
   const uint32_t pa = smem_addr(smem + kSmemP + buf * kSmemPBytes);

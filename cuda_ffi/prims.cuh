@@ -124,13 +124,11 @@ DEVFN int64_t shfl_idx_i64(int64_t v, int src) {
 DEVFN uint4 ldg_nc_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 DEVFN uint32_t ldg_nc_u8(const void* p) { return (uint32_t)__ldg(reinterpret_cast<const unsigned char*>(p)); }
 DEVFN int32_t ldg_nc_s32(const int32_t* p) { return __ldg(p); }
-DEVFN uint32_t ldg_nc_u32(const void* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 DEVFN float ldg_nc_f32(const float* p) { return __ldg(p); }
 #else
 inline uint4 ldg_nc_v4(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
 inline uint32_t ldg_nc_u8(const void* p) { return *reinterpret_cast<const unsigned char*>(p); }
 inline int32_t ldg_nc_s32(const int32_t* p) { return *p; }
-inline uint32_t ldg_nc_u32(const void* p) { uint32_t r; std::memcpy(&r, p, 4); return r; }
 inline float ldg_nc_f32(const float* p) { return *p; }
 #endif
 
