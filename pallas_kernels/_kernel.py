@@ -17,38 +17,26 @@ lane-level lowering semantics (`LoweringSemantics.Lane`: explicit register layou
   copy is skipped and a plain arrive keeps the barrier count.
 - wg 0 and wg 1, the *compute* warpgroups (232 registers): warpgroup w owns latent dims
   [256 w, 256 w + 256). Per block it dequantizes its dims of the staged tokens into its half of
-  the f16 K tile (swizzled SMEM, the wgmma operand layout): e4m3 * 2^(e - 127) for NoPE tiles,
+  the bf16 K tile (swizzled SMEM, the wgmma operand layout): e4m3 * 2^(e - 127) for NoPE tiles,
   and for the RoPE tile the little-endian bf16 bytes recombined exactly by a small integer wgmma
-  (`_rope_combiner`: lo + 256 hi, since Pallas has no width-changing bitcast), each value
-  converted to f16 (see *Precision*); every masked token's row is forced to 0 (select, so
-  NaN/garbage never enters a matmul). Then
+  (`_rope_combiner`: lo + 256 hi, since Pallas has no width-changing bitcast); every masked
+  token's row is forced to 0 (select, so NaN/garbage never enters a matmul). Then
   S = Q K^T (wgmma): with `qk_exchange` each warpgroup contracts its own 256 dims and the two f32
   partials meet in one 16 KiB SMEM buffer (wg 0 posts S_0; wg 1 reads it and posts S_1; both sum
   S_0 + S_1 in that order, so both hold bitwise-identical scores); otherwise (bf16 + fp8 pools,
   whose two staging views leave no room for the buffer) both contract all 512 dims. Both run the same online softmax (exp2 domain, masked columns -inf,
   running max starts at -inf with a guard so (-inf) - (-inf) never occurs) and accumulate their
-  own half of O += P V (one wgmma, f16 P from registers, V = the K tile: K = V = the latent).
-
-Precision: every tensor-core operand is float16 -- Q, the K/V tile and P (wgmma takes both
-operands of a product in the same 16-bit type) -- and every accumulation float32 (S, O, the
-softmax state). fp16's 11-bit significand holds bf16 values and e4m3 * 2^(e - 127) values
-exactly in its normal range (magnitudes 2^-14 .. 65504), so Q K^T sees the caller's values
-unchanged, while P in [0, 1] is rounded to at most 2^-11 relative instead of bf16's 2^-8. A
-single bf16 P (FlashMLA's choice) misses FlashMLA's own decode output tolerance on rows where
-large values cancel; f16 P meets it with one wgmma (`tests/test_pallas_kernels.py::
-test_fp16_p_meets_tolerance_where_bf16_p_fails`). Out of range: a value of magnitude above
-65504 saturates to +-65504 (`to_f16` / `_sat_f16`; an operand never holds inf), q included
-(`_ops._run`). Magnitudes below 2^-14 become f16 subnormals (absolute step 2^-24) and those
-below 2^-25 become 0: an absolute error of at most 2^-25 per element. NaN stays NaN (masked
-tokens are selected to 0 before any use, so only NaN stored in a valid token propagates).
+  own half of O += P V (wgmma, P from registers, V = the K tile: K = V = the latent) with
+  P = P_hi + P_lo in two bf16 terms: one bf16 P (FlashMLA's choice) misses the output tolerance
+  on rows mixing large and small values.
 
 Synchronization: `q_bar` (Q + sink landed), `idx_full` / `stage_full` (a block's offsets / data
 landed), `stage_free` (both compute warpgroups are done with the staging buffer; the memory
 warpgroup fences the async proxy before refilling it), `x_a` / `x_b` (partial-score exchange)
 or `k_ready` / `k_free` (shared K tile, without the exchange). Staging and K are single-buffered
 (SMEM: Q 64 KiB + K 64 KiB + staging 41 KiB fp8 / 65 KiB bf16 + RoPE combiner 16 KiB +
-exchange 16 KiB: `smem_bytes`), so the gather of block n+1 overlaps the matmuls and softmax of
-block n but the dequantization does not overlap the matmuls.
+exchange 16 KiB), so the gather of block n+1 overlaps the matmuls and softmax of block n but the
+dequantization does not overlap the matmuls.
 
 Outputs: with one split, the final bf16 O (normalized, sink in the denominator), the natural-log
 lse (+inf for an empty row, sink excluded) and max_logits (-inf when empty); with several
@@ -73,8 +61,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "FP8_COPY_BYTES", "F16_MAX", "smem_bytes",
-           "to_f16"]
+from pallas_kernels import _interpret
+
+__all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "FP8_COPY_BYTES", "smem_bytes"]
 
 T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
 HB = 64  # heads per program (the wgmma M)
@@ -85,8 +74,6 @@ FP8_RECORD = 576
 FP8_COPY_BYTES = 640  # bulk copies are multiples of 128 B (one arrive per thread of the warpgroup)
 FP8_PITCH = 656  # staging row pitch: 164 words, rows 4 banks apart -> conflict-free wgmma-layout loads
 BF16_PITCH = 520  # bf16 elements; 1040 B = 260 words, likewise
-F16 = jnp.float16  # the tensor-core operand type (Q, K/V tile, P); accumulation is f32
-F16_MAX = 65504.0  # largest finite f16: larger magnitudes saturate to +-F16_MAX
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _SMEM_LIMIT = 232448  # bytes of dynamic SMEM a Hopper CTA may use
@@ -116,6 +103,7 @@ class KernelSpec:
     has_sink: bool
     interpret: bool  # trace the interpreter-compatible formulation
     qk_exchange: bool = True  # split Q K^T by dims across the two compute warpgroups (else both do all)
+    p_split: bool = True  # P V as (P_hi + P_lo) V; False only for timing experiments (misses tolerances)
 
     @property
     def head_groups(self) -> int:
@@ -153,11 +141,11 @@ def smem_bytes(spec: KernelSpec) -> int:
 def build_kernel(spec: KernelSpec):
     """Returns `f(q, counts, [sink], *pool_operands) -> (out, lse, max_logits)`.
 
-    q: f16 [R, Hp, 512] (saturated by `to_f16`); counts: int32 [R, n_pools] (64-token blocks per
-    row and pool); sink: f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8
-    [bytes]; bf16: bf16 [rows, 512]), src int32 [R, kpad] (byte offset of the record / row number,
-    -1 = masked), and for fp8 pools scales uint8 [R, kpad, 16] (the 7 UE8M0 bytes of each entry,
-    zero-padded to 16 B for TMA strides; 0 when masked).
+    q: bf16 [R, Hp, 512]; counts: int32 [R, n_pools] (64-token blocks per row and pool); sink:
+    f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8 [bytes]; bf16: bf16
+    [rows, 512]), src int32 [R, kpad] (byte offset of the record / row number, -1 = masked),
+    and for fp8 pools scales uint8 [R, kpad, 16] (the 7 UE8M0 bytes of each entry, zero-padded to
+    16 B for TMA strides; 0 when masked).
     Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp]; split mode
     returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
     """
@@ -348,23 +336,33 @@ def build_kernel(spec: KernelSpec):
                     pexp = jnp.exp2(t - lax.broadcast_in_dim(m_use, (HB, T), [0]))
                     l = l * alpha + pexp.sum(axis=1)
                     o = o * lax.broadcast_in_dim(alpha, (HB, HALF), [0])
-                    # P V in one wgmma with P in f16 (P in [0, 1]: <= 2^-11 relative, no clamp needed).
-                    p16 = pexp.astype(F16)
+                    # P V with P = P_hi + P_lo (two bf16 terms, ~2^-16 relative): a single bf16 P
+                    # (2^-9) misses FlashMLA's output tolerance on rows that mix large and small values.
+                    p_hi = pexp.astype(jnp.bfloat16)
+                    p_lo = (pexp - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+                    if not spec.p_split:
+                        p_lo = None
                     if spec.interpret:
                         # The interpreter takes wgmma operands from SMEM only and cannot store into
                         # an accumulator: stage P in SMEM and add P V to O.
-                        a_smem.at[w][...] = p16
+                        a_smem.at[w, 0][...] = p_hi
+                        if p_lo is not None:
+                            a_smem.at[w, 1][...] = p_lo
                         plgpu.commit_smem()
 
                         def pv(acc):
-                            plgpu.wgmma(acc, a_smem.at[w], k_smem.at[w])
+                            plgpu.wgmma(acc, a_smem.at[w, 0], k_smem.at[w])
+                            if p_lo is not None:
+                                plgpu.wgmma(acc, a_smem.at[w, 1], k_smem.at[w])
                             return acc[...]
 
                         o = o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
                     else:
                         def pv(acc):
                             acc[...] = o
-                            plgpu.wgmma(acc, p16, k_smem.at[w])
+                            plgpu.wgmma(acc, p_hi, k_smem.at[w])
+                            if p_lo is not None:
+                                plgpu.wgmma(acc, p_lo, k_smem.at[w])
                             return acc[...]
 
                         o = pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
@@ -417,12 +415,12 @@ def build_kernel(spec: KernelSpec):
         stage_types.append(plgpu.SMEM((T, BF16_PITCH), jnp.bfloat16))
     stage = plgpu.RefUnion(*stage_types) if len(stage_types) == 2 else stage_types[0]
     scratch = (
-        plgpu.SMEM((2, HB, HALF), F16, transforms=(_TILE, _SWZ)),  # Q halves
-        plgpu.SMEM((2, T, HALF), F16, transforms=(_TILE, _SWZ)),  # K tile halves
+        plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # Q halves
+        plgpu.SMEM((2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves
         stage,
         plgpu.SMEM((T, 16), jnp.uint8) if has_fp8 else None,  # scale bytes, 16 B per token
         plgpu.SMEM((T,), jnp.int32),
-        plgpu.SMEM((128, 64), F16, transforms=(_TILE, _SWZ)) if has_fp8 else None,  # RoPE combiner
+        plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if has_fp8 else None,
         plgpu.SMEM((HB,), jnp.float32) if has_sink else None,
         plgpu.Barrier(num_arrivals=3 if has_sink else 2),  # q_bar
         plgpu.Barrier(num_arrivals=1),  # idx_full
@@ -436,8 +434,8 @@ def build_kernel(spec: KernelSpec):
         plgpu.Barrier(num_arrivals=1) if spec.qk_exchange else None,  # x_a: wg 0's partial posted
         plgpu.Barrier(num_arrivals=1) if spec.qk_exchange else None,  # x_b: wg 1's partial posted
         # interpreter only: wgmma A operands staged in SMEM (P per compute warpgroup, RoPE bytes)
-        plgpu.SMEM((2, HB, T), F16, transforms=(_TILE, _SWZ)) if spec.interpret else None,
-        plgpu.SMEM((T, 128), F16, transforms=(_TILE, _SWZ)) if spec.interpret and has_fp8 else None,
+        plgpu.SMEM((2, 2, HB, T), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret else None,
+        plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret and has_fp8 else None,
     )
     if spec.final:
         out_type = (jax.ShapeDtypeStruct((R, Hp, D), jnp.bfloat16),
@@ -459,31 +457,10 @@ def build_kernel(spec: KernelSpec):
     )
 
 
-def to_f16(x):
-    """float -> f16, saturating: magnitudes above 65504 become +-65504 (never inf); NaN stays NaN.
-
-    Clamps in f32, then rounds to nearest (exact for bf16 and e4m3 * 2^k values in f16's normal
-    range). The XLA-side rule (`_ops` converts q with it); the kernel uses `_sat_f16`.
-    """
-    return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(F16)
-
-
-def _sat_f16(x):
-    """`to_f16` of an f32 register array, in the cheaper order: round to f16, then clamp (packed
-    f16x2 max/min, one instruction per two values instead of one per value in f32).
-
-    The same result: an f32 value above 65504 rounds to 65504 (below 65520) or to inf, and both
-    clamp to 65504 (likewise negative); NaN stays NaN (`max.NaN` / `min.NaN`); in range, the
-    clamp does nothing. The inf exists only in registers, never in the K tile.
-    """
-    y = x.astype(F16)
-    return jnp.minimum(jnp.maximum(y, -F16_MAX), F16_MAX)
-
-
 def _rope_combiner():
-    """f16 [128, 64]: W[2j, j] = 1, W[2j+1, j] = 256, else 0.
+    """bf16 [128, 64]: W[2j, j] = 1, W[2j+1, j] = 256, else 0.
 
-    For the RoPE bytes U (uint8 [64 tok, 128], as exact f16 integers), U @ W = lo + 256 * hi,
+    For the RoPE bytes U (uint8 [64 tok, 128], as exact bf16 integers), U @ W = lo + 256 * hi,
     the bf16 bit pattern of each RoPE value, exact in the f32 accumulator.
     """
     r = plgpu.broadcasted_iota(jnp.int32, (128, 64), 0, layout=plgpu.Layout.WGMMA)
@@ -492,11 +469,11 @@ def _rope_combiner():
     big = jnp.full((128, 64), 256.0, jnp.float32)
     zero = jnp.zeros((128, 64), jnp.float32)
     w = jnp.where((r // 2) == c, jnp.where((r % 2) == 0, one, big), zero)
-    return w.astype(F16)
+    return w.astype(jnp.bfloat16)
 
 
 def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
-    """K half w <- dequantized staged fp8_ds_mla records as f16 (saturated; masked rows 0)."""
+    """K half w <- dequantized staged fp8_ds_mla records (masked rows 0)."""
     sb = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA)  # uint8 [64, 16]
     sf = lax.bitcast_convert_type(sb.astype(jnp.int32) << 23, jnp.float32)  # 2^(e - 127) (e = 0 -> 0)
     col = plgpu.broadcasted_iota(jnp.int32, (T, 16), 1, layout=plgpu.Layout.WGMMA)
@@ -506,12 +483,11 @@ def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
         scale_g = jnp.where(col == g, sf, jnp.zeros_like(sf)).max(axis=1)  # [64] per token
         x8 = plgpu.load(stage_u8.at[:, pl.ds(64 * g, 64)], layout=plgpu.Layout.WGMMA)
         x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float32)
-        # exact in f32; |x| <= 448, so only scales above 2^7 can exceed f16's range (saturated)
         y = jnp.where(vrow, x * lax.broadcast_in_dim(scale_g, (T, 64), [0]), zero)
-        k_smem.at[w, :, pl.ds(64 * (g - 4 * w), 64)][...] = _sat_f16(y)
+        k_smem.at[w, :, pl.ds(64 * (g - 4 * w), 64)][...] = y.astype(jnp.bfloat16)
     if w == 1:
         ub = plgpu.load(stage_u8.at[:, pl.ds(NOPE, 128)], layout=plgpu.Layout.WGMMA)  # RoPE bytes
-        u = ub.astype(jnp.float32).astype(F16)  # 0..255: exact
+        u = ub.astype(jnp.float32).astype(jnp.bfloat16)
 
         if u_smem is not None:  # interpreter: A operands from SMEM only
             u_smem[...] = u
@@ -522,16 +498,15 @@ def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
             plgpu.wgmma(acc, u, w_smem)
             return acc[...]
 
-        bits = pl.run_scoped(comb, plgpu.ACC((T, 64), jnp.float32))  # the bf16 bit patterns, 0..65535
-        # bf16 bits in the high half of an f32 word are that bf16 value as f32
-        y = lax.bitcast_convert_type(bits.astype(jnp.int32) << 16, jnp.float32)
-        y = jnp.where(vrow, y, zero)
-        k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = _sat_f16(y)
+        bits = pl.run_scoped(comb, plgpu.ACC((T, 64), jnp.float32))
+        y = lax.bitcast_convert_type(bits.astype(jnp.int32).astype(jnp.int16), jnp.bfloat16)
+        y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.bfloat16))
+        k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = y
 
 
 def _copy_bf16(w, stage_bf, k_smem, vrow):
-    """K half w <- staged bf16 rows as f16 (saturated; masked rows 0)."""
-    zero = jnp.zeros((T, 64), jnp.float32)
+    """K half w <- staged bf16 rows (masked rows 0)."""
+    zero = jnp.zeros((T, 64), jnp.bfloat16)
     for j in range(4):
         x = plgpu.load(stage_bf.at[:, pl.ds(w * HALF + 64 * j, 64)], layout=plgpu.Layout.WGMMA)
-        k_smem.at[w, :, pl.ds(64 * j, 64)][...] = _sat_f16(jnp.where(vrow, x.astype(jnp.float32), zero))
+        k_smem.at[w, :, pl.ds(64 * j, 64)][...] = jnp.where(vrow, x, zero)

@@ -29,17 +29,7 @@ import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
 from pallas_kernels import _interpret
-from pallas_kernels._kernel import (
-    _SMEM_LIMIT,
-    FP8_RECORD,
-    HB,
-    T,
-    KernelSpec,
-    PoolSpec,
-    build_kernel,
-    smem_bytes,
-    to_f16,
-)
+from pallas_kernels._kernel import _SMEM_LIMIT, FP8_RECORD, HB, T, KernelSpec, PoolSpec, build_kernel, smem_bytes
 
 __all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
            "num_splits_override", "kernel_options"]
@@ -64,7 +54,7 @@ def num_splits_override(n: int | None):
 
 @contextlib.contextmanager
 def kernel_options(**options):
-    """Override `KernelSpec` fields (e.g. `qk_exchange`) of kernels traced inside (benchmarks)."""
+    """Override `KernelSpec` fields (`qk_exchange`, `p_split`) of kernels traced inside (benchmarks)."""
     prev = getattr(_override, "options", {})
     _override.options = {**prev, **options}
     try:
@@ -152,16 +142,12 @@ def combine_splits(o, lse, mx, sink):
 
 
 def _run(q_rows, pools, sink, softmax_scale, num_splits):
-    """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse.
-
-    The kernel's tensor-core operands are f16 (see `_kernel`): q is converted here, saturating
-    magnitudes above 65504 to +-65504 (the same rule the kernel applies to K/V)."""
+    """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse."""
     R, h, _ = q_rows.shape
     if R == 0:
         return (jnp.zeros((0, h, q_rows.shape[2]), jnp.bfloat16), jnp.zeros((0, h), jnp.float32),
                 jnp.zeros((0, h), jnp.float32))
     Hp = _cdiv(h, HB) * HB
-    q_rows = to_f16(q_rows)
     if Hp != h:
         q_rows = jnp.pad(q_rows, ((0, 0), (0, Hp - h), (0, 0)))
     counts = jnp.stack([nb for _, _, nb in pools], axis=1)

@@ -8,10 +8,7 @@ Run on the GPU machine from the repository root:
 - a few grid cases again with a forced split count (partial outputs + combine);
 - large cases against the xla reference: decode b=128, s_q=2, h=128, topk 2048 (fp8_ds_mla),
   decode b=4 with topk 2048 + extra 1024 (splits), prefill s_q=512, h=128, topk 2048;
-- determinism: two runs are bitwise equal;
-- the two hand-built precision cases of tests/test_pallas_kernels.py (f16 operands): q / K / V
-  values of 1e6 saturate to +-65504, and f16 P meets the decode output tolerance on cancelling
-  values where bf16 P would not.
+- determinism: two runs are bitwise equal.
 """
 
 from __future__ import annotations
@@ -127,11 +124,3 @@ def test_deterministic():
     b = _prefill(p)
     for x, y in zip(a, b):
         assert np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), equal_nan=True)
-
-
-@pytest.mark.parametrize("builder", ["_saturation_case", "_p_precision_case"])
-def test_precision_cases(builder):
-    from tests import test_pallas_kernels as cpu_tests
-
-    case, check = getattr(cpu_tests, builder)()
-    check(*_decode(case))
