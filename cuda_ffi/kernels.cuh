@@ -5,24 +5,23 @@
 //
 // ---------------------------------------------------------------------------------------------
 // Attention CTA (decode and prefill share it): 64 query heads x one query token, 384 threads.
-//   warps 0..7  consumers (tensor cores, mma.sync m16n8k16 bf16 -> f32)
-//   warps 8..11 producers (gather 64 selected KV rows per tile, dequantize fp8 -> bf16)
-// setmaxnreg gives the consumer warpgroups 200 registers and the producer warpgroup 104.
-// Shared memory (params.h, 214544 B; 206352 B with DSV41_P_HILO=0): Q bf16 [64 heads][512], K/V bf16 [2 buffers][64 tokens]
-// [512], P bf16 [64 heads][64 tokens] (+ P_lo with DSV41_P_HILO), small f32 exchange arrays,
-// and per buffer a 64-bit validity mask (16 bits per producer warp). Rows of Q and K/V are 1024 B = 64 chunks of 16 B; chunk c of row r lives at chunk
-// c ^ (r & 7) (rows of P: 8 chunks, same XOR), so the 8 row addresses of every ldmatrix hit
-// 8 different 16-byte bank groups.
+//   warps 0..7  consumers: sm_90a wgmma (consume_tile_wgmma), sm_100a mma.sync (consume_tile_mma_sync)
+//   warps 8..11 producers (gather 64 selected KV rows per tile, dequantize fp8 -> f16)
+// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128.
+// Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
+// f16's range; beyond +-65504 they saturate). Shared memory (params.h, 214544 B from a 1024-aligned
+// base): Q f16 [64 heads][512], K/V f16 [2 buffers][64 tokens][512], P f16 [2 buffers][64 heads][64
+// tokens], small f32 exchange arrays, per buffer a 64-bit validity mask (16 bits per producer warp).
+// Q and K/V use the 128-byte-swizzle layout wgmma reads (8 column blocks of [64 rows][128 B], chunk c
+// of row r at c ^ (r & 7)); the same XOR keeps every ldmatrix of the mma.sync path conflict-free.
 //
-// Per tile (64 tokens), consumer warp w:
-//   QK^T  rows 16*(w&3)..+16, tokens 32*(w>>2)..+32, all 512 dims: S[16x32] in registers.
-//         S := scale*log2(e) * S, and -inf where the token is masked.
-//   row max of the two token halves exchanged through smem (barrier B1), then with the running
-//   max M (log2 domain) and base = (M_new == -inf ? 0 : M_new): alpha = 2^(M_old - base),
-//   P = 2^(S - base), partial row sums l = l*alpha + sum(P) (f32); P as P_hi + P_lo (two bf16
-//   halves; DSV41_P_HILO=0: P_hi only, FlashMLA's precision) and alpha to smem (B2).
-//   PV    O[64 heads][dims 64w..64w+63] = alpha * O + (P_lo + P_hi)[64x64] * V[64 tokens x 64 dims]
-//         (P via ldmatrix, V via ldmatrix.trans from the same K tile: K = V = the latent).
+// Per tile (64 tokens), consumer warp w (warpgroup th = w >> 2 owns tokens 32th..32th+31 for Q K^T):
+//   S = Q K^T for rows 16 (w & 3) + g (+8), its 32 tokens; masked, scaled to the log2 domain.
+//   row max of the two token halves exchanged through smem (barrier B1); running max M, base =
+//   (M_new == -inf ? 0 : M_new), alpha = 2^(M_old - base), P = 2^(S - base), partial row sums l;
+//   P as f16 to smem (barrier B2).
+//   O += P V: wgmma path, warpgroup th owns dims 256th..+255 of all 64 heads (rows = its S rows, so
+//   alpha stays in registers); mma.sync path, warp w owns dims 64w..64w+63 (alpha through smem).
 // Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive,
 // consumers sync) and EMPTY[b] (consumers arrive, producers sync); consumer-only exchanges use
 // one 256-thread barrier. Every barrier is executed by every lane of its warps and both roles

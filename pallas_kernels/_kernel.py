@@ -61,7 +61,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _interpret
 
 __all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "FP8_COPY_BYTES", "smem_bytes"]
 
