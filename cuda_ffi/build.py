@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clean", action="store_true", help="remove the CMake build directory first")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
+    if a.define and a.out_dir.resolve() == LIB_DIR.resolve():
+        # experiment builds (DSV41_EXP_* leave stages out) must never replace the library the package loads
+        ap.error("--define needs --out-dir other than cuda_ffi/lib (experiment builds are not the package's library)")
     try:
         if a.clean and a.build_dir.exists():
             shutil.rmtree(a.build_dir)

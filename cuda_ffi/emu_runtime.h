@@ -22,6 +22,7 @@
 #include <functional>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 // Context switch. On x86-64 a hand-written switch (callee-saved registers, MXCSR and the x87
@@ -61,6 +62,7 @@ struct Fiber {
   void* sp = nullptr;  // saved stack pointer (fast switch)
   int tid = 0;
   bool done = false;
+  std::vector<std::pair<float*, std::vector<float>>> wgmma_pending;  // accumulators of wgmmas not yet waited on
 };
 
 struct Bar {
@@ -81,6 +83,7 @@ struct Cta {
   int nthreads = 0;
   int64_t block = 0;
   char* smem = nullptr;
+  size_t smem_bytes = 0;
   std::vector<Fiber> fibers;
   std::vector<char*> stacks;
   size_t stack_bytes = 0;
@@ -113,6 +116,8 @@ inline void yield() {
 
 inline void bar_arrive_impl(int id, int n) {
   Cta* c = cur_cta;
+  // the kernels never synchronise with a wgmma in flight: its operands / accumulators would be racy
+  if (!cur_fiber->wgmma_pending.empty()) fail("barrier reached with a wgmma group not waited on");
   if (id < 0 || id >= 16) fail("barrier id out of range");
   if (n <= 0 || n % 32 || n > c->nthreads) fail("barrier thread count must be a positive multiple of 32 <= block size");
   Bar& b = c->bars[id];
@@ -266,6 +271,7 @@ inline void launch(int64_t grid, int nthreads, size_t smem_bytes, const std::fun
     std::vector<char> smem(smem_bytes + 1024);
     char* base = smem.data() + ((1024 - (reinterpret_cast<uintptr_t>(smem.data()) & 1023)) & 1023);
     c.smem = base;
+    c.smem_bytes = smem_bytes;
     c.body = &body;
     for (int64_t blk; (blk = next.fetch_add(1)) < grid;) {
       std::memset(base, 0xff, smem_bytes);  // poison: NaN-ish bf16 / f32 patterns

@@ -9,9 +9,10 @@
 //   warps 8..11 producers (gather 64 selected KV rows per tile, dequantize fp8 -> f16)
 // setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128.
 // Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
-// f16's range; beyond +-65504 they saturate). Shared memory (params.h, 214544 B from a 1024-aligned
-// base): Q f16 [64 heads][512], K/V f16 [2 buffers][64 tokens][512], P f16 [2 buffers][64 heads][64
-// tokens], small f32 exchange arrays, per buffer a 64-bit validity mask (16 bits per producer warp).
+// f16's range, magnitudes below 2^-17 round on its subnormal grid, beyond +-65504 they saturate).
+// Shared memory (params.h, 214544 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
+// [2 buffers][64 tokens][512], P f16 [2 buffers][64 heads][64 tokens], small f32 exchange arrays,
+// per buffer a 64-bit validity mask (16 bits per producer warp).
 // Q and K/V use the 128-byte-swizzle layout wgmma reads (8 column blocks of [64 rows][128 B], chunk c
 // of row r at c ^ (r & 7)); the same XOR keeps every ldmatrix of the mma.sync path conflict-free.
 //
@@ -60,7 +61,8 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // 16 fp8 (one 16-byte chunk) * 2^(e-127) -> 16 f16 in two 16-byte chunks (exact in f16's range).
 // Fast path, scale exponent k = e - 127 in [-14, 7]: e4m3x2 -> f16x2 and one f16x2 multiply by the
 // f16 power of two (exact: |e4m3| <= 448 so |x 2^k| <= 57344, and the smallest product m 2^-23
-// is on f16's subnormal grid). Other scales go through f32 with saturation.
+// is on f16's subnormal grid). Other scales go through f32: k >= 8 saturates beyond 65504, k <= -16
+// rounds on f16's subnormal grid (error < 2^-25).
 DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& second) {
   const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t o[8];

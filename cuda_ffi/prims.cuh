@@ -3,7 +3,7 @@
 // Two back ends with one interface:
 //  * device (nvcc, no DSV41_EMULATE): inline PTX / CUDA intrinsics;
 //  * host emulation (any C++17 compiler with DSV41_EMULATE): every CUDA thread is a fiber of
-//    emu_runtime.h; warp-collective instructions (ldmatrix, mma.sync, shfl, ballot) exchange
+//    emu_runtime.h; warp-collective instructions (ldmatrix, mma.sync, wgmma, shfl, ballot) exchange
 //    their operands through a per-warp slot and compute the exact PTX fragment semantics
 //    written down below, named barriers count arrivals per thread.
 // The kernels in kernels.cuh are written only against this header, so the emulation runs the
@@ -178,8 +178,9 @@ DEVFN uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 // f16 <-> f32. The kernels' tensor-core operands are f16 (11-bit significand, f32 accumulation):
-// bf16 and e4m3 x 2^e values inside f16's range convert exactly, and a single f16 P is accurate
-// enough for FlashMLA's output tolerance where a single bf16 P is not (cuda_notes.md).
+// bf16 values with 2^-17 <= |x| <= 65504 and e4m3 x 2^k with k >= -15 convert exactly (smaller
+// magnitudes round on f16's subnormal grid, error < 2^-25; larger ones saturate), and a single f16 P
+// is accurate enough for FlashMLA's output tolerance where a single bf16 P is not (cuda_notes.md).
 DEVFN float f16_to_f32(uint32_t h) {
 #if DSV41_DEVICE
   float f;
@@ -200,12 +201,13 @@ DEVFN float f16_hi(uint32_t packed) { return f16_to_f32(packed >> 16); }
 
 #if !DSV41_DEVICE
 // f32 -> f16 bits, round to nearest even, saturating finite values to +-65504 (cvt .satfinite).
-inline uint32_t f32_to_f16_satfinite(float f) {
+// satfinite = false: IEEE overflow to +-inf (mul.rn.f16x2).
+inline uint32_t f32_to_f16_satfinite(float f, bool satfinite = true) {
   const uint32_t u = f32_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return 0x7fffu;  // NaN
-  if (a >= 0x477ff000u) return sign | 0x7bffu;  // >= 65520 rounds past 65504 (inf included): saturate
+  if (a >= 0x477ff000u) return sign | (satfinite ? 0x7bffu : 0x7c00u);  // >= 65520 rounds past 65504
   if (a < 0x38800000u) {  // below 2^-14: f16 subnormal (or zero), units of 2^-24
     const float q = std::ldexp(bits_f32(a), 24);
     return sign | (uint32_t)std::nearbyint(q);  // default rounding mode: to nearest even
@@ -278,7 +280,8 @@ DEVFN uint32_t hmul2(uint32_t a, uint32_t b) {
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 #else
-  return pack_f16x2(f16_lo(a) * f16_lo(b), f16_hi(a) * f16_hi(b));  // exact products round once, as on the GPU
+  // the f32 product of two f16 is exact, so one rounding to f16 (overflow to +-inf) is the GPU's result
+  return f32_to_f16_satfinite(f16_lo(a) * f16_lo(b), false) | (f32_to_f16_satfinite(f16_hi(a) * f16_hi(b), false) << 16);
 #endif
 }
 
@@ -419,6 +422,9 @@ DEVFN void mma_f16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t 
 #define DSV41_WGMMA 1  // emulator default; -DDSV41_WGMMA=0 builds the mma.sync consumers instead
 #endif
 #endif
+#if DSV41_DEVICE && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && !DSV41_WGMMA && !defined(DSV41_FORCE_MMA_SYNC)
+#error "sm_90 device code without wgmma: build for sm_90a (the 'a' target) or define DSV41_FORCE_MMA_SYNC"
+#endif
 constexpr bool kWgmma = DSV41_WGMMA != 0;
 
 // Shared-window address of a shared-memory pointer (emulator: offset from the CTA's shared base).
@@ -478,10 +484,10 @@ DEVFN void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) {
 #else
 DEVFN void wgmma_fence() {}
 DEVFN void wgmma_commit() {}
-DEVFN void wgmma_wait0() {}
 template <int N>
 DEVFN void reg_fence(float*) {}
 #if DSV41_DEVICE  // builds without wgmma (sm_100a, DSV41_FORCE_MMA_SYNC) never call these
+DEVFN void wgmma_wait0() {}
 DEVFN void wgmma_m64n32k16(float*, uint64_t, uint64_t) { __trap(); }
 DEVFN void wgmma_m64n256k16_tb(float*, uint64_t, uint64_t) { __trap(); }
 #else
@@ -493,18 +499,24 @@ inline uint32_t elem_addr(uint64_t desc, int row, int col, bool kmajor) {
   const uint32_t lbo = (uint32_t)((desc >> 16) & 0x3fffu) << 4;
   const uint32_t sbo = (uint32_t)((desc >> 32) & 0x3fffu) << 4;
   if ((desc >> 62) != 1u) emu::fail("wgmma emulation: only the 128-byte swizzle is modelled");
+  if ((start >> 7) & 7u) emu::fail("wgmma: start address not in row 0 of a 1024-byte swizzle atom (base offset 0)");
   uint32_t a;
   if (kmajor) a = start + (uint32_t)(row >> 3) * sbo + (uint32_t)(row & 7) * 128u + 2u * (uint32_t)col;
   else a = start + (uint32_t)(col >> 6) * lbo + 2u * (uint32_t)(col & 63) + (uint32_t)(row & 7) * 128u +
            (uint32_t)(row >> 3) * sbo;
-  return a ^ (((a >> 7) & 7u) << 4);
+  a ^= ((a >> 7) & 7u) << 4;
+  if (a + 2 > emu::cur_cta->smem_bytes) emu::fail("wgmma: operand outside the CTA's shared memory");
+  return a;
 }
 inline float elem(uint64_t desc, int row, int col, bool kmajor) {
   uint16_t h;
   std::memcpy(&h, emu::cur_cta->smem + elem_addr(desc, row, col, kmajor), 2);
   return f16_to_f32(h);
 }
-// One warp's share of m64nNk16: rows 16*(warp & 3) .. +15.
+// One warp's share of m64nNk16: rows 16*(warp & 3) .. +15. Asynchronous like the hardware: the
+// products are computed at issue (operands read now) but reach `d` only at wgmma_wait0; until then d
+// holds NaN, so reading an accumulator before the wait shows up in the results. Chained wgmmas on
+// the same accumulator continue from the pending value.
 inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
   struct In { uint64_t da, db; } in{da, db};
   const int lane = lane_idx(), wr = warp_idx() & 3;
@@ -515,17 +527,31 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
       if (x.da != in.da || x.db != in.db) emu::fail("wgmma: lanes of a warp passed different descriptors");
     }
   });
+  auto& pend = emu::cur_fiber->wgmma_pending;
+  std::vector<float>* acc = nullptr;
+  for (auto& p : pend)
+    if (p.first == d) acc = &p.second;
+  if (!acc) {
+    pend.emplace_back(d, std::vector<float>(d, d + n / 2));
+    acc = &pend.back().second;
+  }
   const int g = lane >> 2, t = lane & 3;
   for (int nb = 0; nb < n / 8; ++nb)
     for (int e = 0; e < 4; ++e) {
       const int row = 16 * wr + g + 8 * (e >> 1), col = 8 * nb + 2 * t + (e & 1);
-      float acc = d[4 * nb + e];
+      float v = (*acc)[4 * nb + e];
       for (int k = 0; k < 16; ++k)
-        acc += elem(da, row, k, true) * (b_trans ? elem(db, k, col, false) : elem(db, col, k, true));
-      d[4 * nb + e] = acc;
+        v += elem(da, row, k, true) * (b_trans ? elem(db, k, col, false) : elem(db, col, k, true));
+      (*acc)[4 * nb + e] = v;
     }
+  for (int i = 0; i < n / 2; ++i) d[i] = NAN;
+}
+inline void wait_all() {
+  for (auto& p : emu::cur_fiber->wgmma_pending) std::memcpy(p.first, p.second.data(), p.second.size() * sizeof(float));
+  emu::cur_fiber->wgmma_pending.clear();
 }
 }  // namespace wgemu
+inline void wgmma_wait0() { wgemu::wait_all(); }
 inline void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 32, da, db, false); }
 inline void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 256, da, db, true); }
 #endif

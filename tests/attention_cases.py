@@ -341,3 +341,41 @@ PREFILL_GRID = [
     ("zero_lengths", dict(lengths="zero", topk=64)),
     ("scale_half", dict(softmax_scale=0.5, topk=128, s_kv=1521, s_q=9)),
 ]
+
+
+# ----------------------------------------------------------------------------- f16-kernel range cases
+def make_saturating_prefill_case(seed: int) -> tuple[PrefillCase, PrefillCase]:
+    """(case, saturated): kv dims 0..7 of every row at +-1e6, beyond f16's range, and the same case
+    with those values clamped to +-65504 (f32 kv) — what kernels computing in f16 with saturating
+    conversions must match."""
+    case = make_prefill_case(seed, s_q=2, h_q=4, s_kv=64, topk=64)
+    kv = np.asarray(case.kv, np.float32)
+    kv[:, :8] = 1e6 * np.where(kv[:, :8] < 0, -1.0, 1.0)
+    big = dataclasses.replace(case, kv=jnp.asarray(kv, jnp.bfloat16))
+    sat = dataclasses.replace(case, kv=jnp.asarray(np.clip(np.asarray(big.kv, np.float32), -65504, 65504)))
+    return big, sat
+
+
+def make_two_scale_decode_case(seed: int) -> DecodeCase:
+    """An fp8_ds_mla decode case whose selected tokens are half unit-scale (UE8M0 exponent k ~ -8) and
+    half positive with x up to 59904 (every 64-dim tile's amax pinned there: k = 8, still inside f16's
+    range; positive, so no output cancels large terms, which FlashMLA's tolerance does not allow
+    for). Kernels that dequantize k in [-14, 7] and other k differently exercise both paths."""
+    case = make_decode_case(seed, b=2, s_q=2, h_q=8, topk=128, fmt="fp8_ds_mla", lengths="full")
+    idx = np.asarray(case.indices)
+    cap = case.kv_cache.shape[0] * case.block_size
+    slots = np.unique(idx[(idx >= 0) & (idx < cap)])
+    rng = np.random.default_rng(seed + 1)
+    rows = rng.uniform(-1, 1, (slots.size, 512))
+    big = rng.random(slots.size) < 0.5
+    rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
+    rows[big, ::64] = 59904.0
+    cache = kvc.insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), jnp.asarray(slots, jnp.int32),
+                       fmt="fp8_ds_mla", block_size=case.block_size)
+    pages = np.asarray(cache).reshape(cache.shape[0], -1)
+    scale_bytes = pages[:, case.block_size * 576:case.block_size * 584].reshape(-1, 8)[:, :7]
+    blk, off = np.divmod(slots, case.block_size)
+    k = scale_bytes.reshape(cache.shape[0], case.block_size, 7)[blk, off].astype(int) - 127
+    assert (k == 8).any() and ((k >= -14) & (k <= 7)).any(), "both exponent ranges must be present"
+    return dataclasses.replace(case, kv_cache=cache)
+

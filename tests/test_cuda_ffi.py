@@ -36,6 +36,8 @@ from tests.attention_cases import (
     assert_close,
     make_decode_case,
     make_prefill_case,
+    make_saturating_prefill_case,
+    make_two_scale_decode_case,
 )
 
 
@@ -242,17 +244,12 @@ def test_emulated_prefill_mma_sync_consumers(emu_mma_sync):
 
 def test_f16_operands_saturate_and_stay_finite(emu):
     # The kernels' tensor-core operands are f16: a latent value beyond 65504 saturates to 65504
-    # instead of becoming inf (which would turn scores into NaN). With dims 0..7 of every kv row at
-    # +-1e6, the emulated kernel equals the float64 oracle on the saturated cache.
+    # instead of becoming inf (which would turn scores into NaN).
     from cuda_ffi.emulate import prefill_emulated
 
-    case = make_prefill_case(33, s_q=2, h_q=4, s_kv=64, topk=64)
-    kv = np.asarray(case.kv, np.float32)
-    kv[:, :8] = 1e6 * np.where(kv[:, :8] < 0, -1.0, 1.0)
-    big = dataclasses.replace(case, kv=jnp.asarray(kv, jnp.bfloat16))
+    big, sat = make_saturating_prefill_case(33)
     out, ml, lse = prefill_emulated(_prefill_call(big))
     assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
-    sat = dataclasses.replace(case, kv=jnp.asarray(np.clip(np.asarray(big.kv, np.float32), -65504, 65504)))
     e_out, _, e_lse = sat.expected()
     assert np.abs(e_out).max() > 6e4  # the saturated values do reach the output
     assert_close(out, e_out, "prefill_out", "out")
@@ -260,27 +257,7 @@ def test_f16_operands_saturate_and_stay_finite(emu):
 
 
 def test_emulated_decode_both_dequant_paths(emu):
-    # dequant16 multiplies in f16x2 when the UE8M0 scale exponent k is in [-14, 7] and goes through f32
-    # otherwise. Half the tokens are unit-scale (k ~ -8), half are positive with x up to 59904 (k = 8,
-    # still inside f16's range; positive so that no output is a cancellation of large terms, which
-    # FlashMLA's tolerance does not allow for), so a wrong f32 path shows in the outputs they dominate.
-    from dsv41_jax import kv_cache as kvc
-
-    case = make_decode_case(34, b=2, s_q=2, h_q=8, topk=128, fmt="fp8_ds_mla", lengths="full")
-    idx = np.asarray(case.indices)
-    cap = case.kv_cache.shape[0] * case.block_size
-    slots = np.unique(idx[(idx >= 0) & (idx < cap)])
-    rng = np.random.default_rng(5)
-    rows = rng.uniform(-1, 1, (slots.size, 512))
-    big = rng.random(slots.size) < 0.5
-    rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
-    rows[big, ::64] = 59904.0  # pins every 64-dim tile's amax: scale 2^8
-    cache = kvc.insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), jnp.asarray(slots, jnp.int32),
-                       fmt="fp8_ds_mla", block_size=case.block_size)
-    scales = np.asarray(cache).reshape(cache.shape[0], -1)[:, case.block_size * 576:case.block_size * 584]
-    k = scales.reshape(-1, 8)[:, :7].astype(int) - 127
-    assert (k == 8).any() and ((k >= -14) & (k <= 7)).any(), "both dequant paths must be exercised"
-    _check_decode(dataclasses.replace(case, kv_cache=cache), num_sms=4)
+    _check_decode(make_two_scale_decode_case(34), num_sms=4)
 
 
 def test_emulated_decode_lengths_past_topk_and_poison(emu):

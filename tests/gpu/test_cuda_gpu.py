@@ -8,6 +8,8 @@ Run on the GPU machine from the repository root:
   against the xla reference;
 - poison: every unused cache slot is NaN / 0xFF and indices past topk_length point at them;
 - determinism: two runs are bitwise equal;
+- the f16 range: kv beyond 65504 saturates (finite outputs equal the oracle on clamped values), and fp8
+  tiles with UE8M0 exponents inside and outside the f16x2 dequant fast path's [-14, 7];
 - the split plan computed on the device by the FFI handler's planner kernel (returned as extra FFI
   results) equals `plan_decode_splits` bit for bit, and plan="device" / plan="jax" give bitwise
   equal outputs.
@@ -33,6 +35,8 @@ from tests.attention_cases import (  # noqa: E402
     assert_close,
     make_decode_case,
     make_prefill_case,
+    make_saturating_prefill_case,
+    make_two_scale_decode_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -187,3 +191,19 @@ def test_public_op_has_no_xla_loops():
     f = jax.jit(lambda *a: sparse_mla_decode(*a, impl="cuda", **case.kwargs()))
     hlo = f.lower(*case.args()).compile().as_text()
     assert " while(" not in hlo and "dsv41_sparse_mla_decode" in hlo
+
+
+def test_f16_saturation_on_device():
+    big, sat = make_saturating_prefill_case(33)
+    out, ml, lse = jax.jit(lambda: sparse_mla_prefill(*big.args(), impl="cuda", **big.kwargs()))()
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+    e_out, _, e_lse = sat.expected()
+    assert np.abs(e_out).max() > 6e4
+    assert_close(out, e_out, "prefill_out", "out")
+    assert_close(lse, e_lse, "prefill_lse", "lse")
+
+
+def test_both_dequant_paths_on_device():
+    case = make_two_scale_decode_case(34)
+    case.check(*sparse_mla_decode(*case.args(), impl="cuda", **case.kwargs()), "cuda decode, two scale ranges")
+
