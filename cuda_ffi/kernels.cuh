@@ -53,8 +53,8 @@ constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
 // (Q, a K/V tile): 8 column blocks of [64 rows][128 B], 128-byte swizzle (prims.cuh, params.h).
-DEVFN int tile_off(int row, int chunk) { return (chunk >> 3) * 8192 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4); }
 DEVFN int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+DEVFN int tile_off(int row, int chunk) { return (chunk >> 3) * 8192 + swz128(row, chunk & 7); }
 DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > topk ? topk : len); }
 
 // ============================================================================== producer

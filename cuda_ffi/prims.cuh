@@ -302,9 +302,14 @@ DEVFN float flog2(float x) {
 DEVFN float finf() { return bits_f32(0x7f800000u); }
 
 // ------------------------------------------------------------------------------ shared memory
+// Shared-window address of a shared-memory pointer (emulator: offset from the CTA's shared base).
+DEVFN uint32_t smem_addr(const void* p) {
 #if DSV41_DEVICE
-DEVFN uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+  return (uint32_t)__cvta_generic_to_shared(p);
+#else
+  return (uint32_t)(static_cast<const char*>(p) - emu::cur_cta->smem);
 #endif
+}
 
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i..8i+7 give the row addresses (16 B each)
 // of 8x8 b16 matrix i; lane l receives r[i] = {M_i[l/4][2(l%4)], M_i[l/4][2(l%4)+1]} (first
@@ -313,7 +318,7 @@ DEVFN void ldsm_x4(uint32_t r[4], const void* row_addr) {
 #if DSV41_DEVICE
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row_addr)));
+               : "r"(smem_addr(row_addr)));
 #else
   const void* a = row_addr;
   int lane = lane_idx();
@@ -331,7 +336,7 @@ DEVFN void ldsm_x4_trans(uint32_t r[4], const void* row_addr) {
 #if DSV41_DEVICE
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row_addr)));
+               : "r"(smem_addr(row_addr)));
 #else
   const void* a = row_addr;
   int lane = lane_idx();
@@ -427,14 +432,6 @@ DEVFN void mma_f16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t 
 #endif
 constexpr bool kWgmma = DSV41_WGMMA != 0;
 
-// Shared-window address of a shared-memory pointer (emulator: offset from the CTA's shared base).
-DEVFN uint32_t smem_addr(const void* p) {
-#if DSV41_DEVICE
-  return (uint32_t)__cvta_generic_to_shared(p);
-#else
-  return (uint32_t)(static_cast<const char*>(p) - emu::cur_cta->smem);
-#endif
-}
 
 // The kernels' shared-memory base: the dynamic allocation rounded up to a 1024-byte boundary of
 // the shared window (launches request kSmemAlign extra bytes; the emulator's base is aligned).

@@ -52,25 +52,23 @@ def cuda_lib():
     return path
 
 
-@pytest.fixture(scope="module")
-def emu():
+def _emulator(consumer: str):
     if cbuild.find_cxx() is None:
         pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
     from cuda_ffi import emulate
 
-    path = cbuild.build_emulator()
-    return emulate.load(path)
+    return emulate.load(cbuild.build_emulator(consumer=consumer), consumer=consumer)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return _emulator("wgmma")
 
 
 @pytest.fixture(scope="module")
 def emu_mma_sync():
     """The emulator built with sm_100a's consumer warps (mma.sync), which sm_90a replaces by wgmma."""
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    from cuda_ffi import emulate
-
-    path = cbuild.build_emulator(consumer="mma_sync")
-    return emulate.load(path, consumer="mma_sync")
+    return _emulator("mma_sync")
 
 
 def _decode_call(case) -> DecodeCall:
