@@ -46,7 +46,8 @@ for s in "${stages[@]}"; do
     sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;
     cuda-ablation)
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
-               "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync"; do
+               "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
+               "no_pair:--define DSV41_EXP_NO_PAIR"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

@@ -49,8 +49,7 @@ cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStr
     dsv41_plan_copy_kernel<<<1, 256, 0, stream>>>(plan);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  dsv41_decode_kernel<<<(unsigned)grid, kThreads, kSmemLaunchBytes, stream>>>(p);
-  e = cudaGetLastError();
+  e = launch_attention(dsv41_decode_kernel, p, grid, p.pair != 0, stream);
   if (e != cudaSuccess) return e;
   const long long cgrid = (long long)p.b * p.s_q * (p.h_pad / 8);
   dsv41_combine_kernel<<<(unsigned)cgrid, kCombineThreads, 0, stream>>>(p);

@@ -48,7 +48,7 @@ int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, 
   emu_plan(plan, seed + 2, workers);
   const int64_t grid = (int64_t)p.num_groups * p.s_q * p.num_parts;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) { dsv41::decode_cta(p, smem); }, seed,
-              workers);
+              workers, p.pair ? 2 : 1);
   const int64_t cgrid = (int64_t)p.b * p.s_q * (p.h_pad / 8);
   emu::launch(cgrid, dsv41::kCombineThreads, 0, [&p](char*) { dsv41::combine_cta(p); }, seed + 1, workers);
   return 0;
@@ -74,7 +74,7 @@ int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out,
   if (!err.empty()) return report("dsv41_sparse_mla_prefill: " + err, errbuf, errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) { dsv41::prefill_cta(p, smem); }, seed,
-              workers);
+              workers, p.pair ? 2 : 1);
   return 0;
 }
 

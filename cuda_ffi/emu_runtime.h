@@ -9,6 +9,10 @@
 // (divergence), a thread arriving twice at one barrier phase, a barrier used with different
 // thread counts, and deadlock (a full round without progress). Thread blocks run one after
 // another on each of a few OS threads (blocks of one launch are independent, as on a GPU).
+// Clusters: the CTAs of one cluster run together under one scheduler (their fibers interleave),
+// with shared-memory mbarriers (arrival counts and phases), distributed-shared-memory stores and
+// arrivals addressed as (rank << 24 | offset), and the cluster barrier. Checked: an arrival on an
+// mbarrier that was never initialised, and any remote access to a CTA whose threads all exited.
 #pragma once
 
 #include <ucontext.h>
@@ -20,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <thread>
 #include <utility>
@@ -56,6 +61,14 @@ struct alignas(16) float4 { float x, y, z, w; };
 enum : int { kTagSyncwarp = 1, kTagShfl, kTagBallot, kTagLdsm, kTagLdsmT, kTagMma, kTagWgmma };
 
 struct Cta;
+struct Cluster;
+
+// A shared-memory mbarrier: `count` arrivals complete the current phase.
+struct MBar {
+  int count = 0;
+  int pending = 0;
+  uint64_t phase = 0;  // completed phases
+};
 
 struct Fiber {
   ucontext_t ctx;
@@ -94,6 +107,15 @@ struct Cta {
   uint64_t progress = 0;
   std::mt19937_64 rng;
   const std::function<void(char*)>* body = nullptr;
+  int rank = 0;                      // in its cluster
+  Cluster* cluster = nullptr;
+  bool exited = false;               // every thread finished
+  std::map<uint32_t, MBar> mbars;    // by shared-memory offset
+};
+
+struct Cluster {
+  std::vector<Cta*> ctas;
+  Bar bar;  // barrier.cluster over every thread of every CTA
 };
 
 inline thread_local Cta* cur_cta = nullptr;
@@ -145,6 +167,73 @@ inline void bar_sync(int id, int n) {
   uint64_t g = b.gen;
   bar_arrive_impl(id, n);
   while (b.gen == g) yield();
+}
+
+// ---- clusters
+inline Cta* cluster_cta(uint32_t caddr) {
+  Cluster* cl = cur_cta->cluster;
+  const uint32_t rank = caddr >> 24;
+  if (!cl || rank >= cl->ctas.size()) fail("shared::cluster address names a CTA outside the cluster");
+  Cta* t = cl->ctas[rank];
+  if (t->exited) fail("access to the shared memory of a CTA that has exited");
+  return t;
+}
+
+inline void cluster_sync() {
+  Cluster* cl = cur_cta->cluster;
+  if (!cur_fiber->wgmma_pending.empty()) fail("cluster barrier reached with a wgmma group not waited on");
+  const int n = (int)cl->ctas.size() * cur_cta->nthreads;
+  Bar& b = cl->bar;
+  const int gtid = cur_cta->rank * cur_cta->nthreads + cur_fiber->tid;
+  if ((int)b.here.size() != n) b.here.assign(n, 0);
+  if (b.here[gtid]) fail("thread arrived twice at one cluster barrier phase");
+  b.here[gtid] = 1;
+  const uint64_t g = b.gen;
+  ++cur_cta->progress;
+  if (++b.arrived == n) {
+    b.arrived = 0;
+    ++b.gen;
+    std::fill(b.here.begin(), b.here.end(), 0);
+  }
+  while (b.gen == g) yield();
+}
+
+inline void mbar_init(uint32_t off, int count) {
+  if (count <= 0) fail("mbarrier initialised with a count <= 0");
+  if (off & 7u) fail("mbarrier not 8-byte aligned");
+  cur_cta->mbars[off] = MBar{count, 0, 0};
+}
+
+inline MBar& mbar_at(Cta* c, uint32_t off) {
+  auto it = c->mbars.find(off);
+  if (it == c->mbars.end()) fail("mbarrier used before it was initialised");
+  return it->second;
+}
+
+inline void mbar_arrive(uint32_t caddr) {
+  if (!cur_fiber->wgmma_pending.empty()) fail("mbarrier arrival with a wgmma group not waited on");
+  Cta* t = cluster_cta(caddr);
+  MBar& m = mbar_at(t, caddr & 0xffffffu);
+  ++cur_cta->progress;
+  if (++m.pending == m.count) {
+    m.pending = 0;
+    ++m.phase;
+  }
+  yield();
+}
+
+// Returns once the phase with parity `parity` of this CTA's mbarrier at `off` has completed.
+inline void mbar_wait(uint32_t off, uint32_t parity) {
+  MBar& m = mbar_at(cur_cta, off);
+  while ((uint32_t)(m.phase & 1u) == (parity & 1u)) yield();
+  ++cur_cta->progress;
+}
+
+inline void st_cluster(uint32_t caddr, const void* v, size_t n) {
+  Cta* t = cluster_cta(caddr);
+  const uint32_t off = caddr & 0xffffffu;
+  if (off + n > t->smem_bytes) fail("shared::cluster store outside the target CTA's shared memory");
+  std::memcpy(t->smem + off, v, n);
 }
 
 // All 32 lanes of the calling warp deposit `size` bytes; once all arrived, each lane runs
@@ -202,84 +291,121 @@ inline void* init_stack(char* stack, size_t bytes) {
 }
 #endif
 
-// Runs one thread block of `nthreads` threads to completion.
-inline void run_cta(Cta& c) {
-  cur_cta = &c;
-  for (int i = 0; i < c.nthreads; ++i) {
-    Fiber& f = c.fibers[i];
-    f.tid = i;
-    f.done = false;
-#if DSV41_EMU_FAST_SWITCH
-    f.sp = init_stack(c.stacks[i], c.stack_bytes);
-#else
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = c.stacks[i];
-    f.ctx.uc_stack.ss_size = c.stack_bytes;
-    f.ctx.uc_link = &c.sched;
-    makecontext(&f.ctx, (void (*)())fiber_entry, 1, i);
-#endif
-  }
-  for (auto& b : c.bars) { b.arrived = 0; b.expected = 0; b.here.assign(c.nthreads, 0); }
-  for (auto& w : c.warps) { w.arrived = 0; w.tag[0] = w.tag[1] = 0; }
-  std::vector<int> order(c.nthreads);
-  for (int i = 0; i < c.nthreads; ++i) order[i] = i;
-  int alive = c.nthreads;
-  while (alive) {
-    uint64_t before = c.progress;
-    std::shuffle(order.begin(), order.end(), c.rng);
-    for (int i : order) {
+// Runs the CTAs of one cluster (each of `nthreads` threads) to completion, their fibers interleaved.
+inline void run_cluster(Cluster& cl) {
+  struct Ref { Cta* c; int i; };
+  std::vector<Ref> order;
+  for (Cta* cp : cl.ctas) {
+    Cta& c = *cp;
+    c.exited = false;
+    c.mbars.clear();
+    c.cluster = &cl;
+    for (int i = 0; i < c.nthreads; ++i) {
       Fiber& f = c.fibers[i];
+      f.tid = i;
+      f.done = false;
+      f.wgmma_pending.clear();
+#if DSV41_EMU_FAST_SWITCH
+      f.sp = init_stack(c.stacks[i], c.stack_bytes);
+#else
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = c.stacks[i];
+      f.ctx.uc_stack.ss_size = c.stack_bytes;
+      f.ctx.uc_link = &c.sched;
+      cur_cta = &c;
+      makecontext(&f.ctx, (void (*)())fiber_entry, 1, i);
+#endif
+      order.push_back({&c, i});
+    }
+    for (auto& b : c.bars) { b.arrived = 0; b.expected = 0; b.here.assign(c.nthreads, 0); }
+    for (auto& w : c.warps) { w.arrived = 0; w.tag[0] = w.tag[1] = 0; }
+  }
+  cl.bar = Bar{};
+  Cta& lead = *cl.ctas[0];
+  size_t alive = order.size();
+  while (alive) {
+    uint64_t before = 0;
+    for (Cta* c : cl.ctas) before += c->progress;
+    std::shuffle(order.begin(), order.end(), lead.rng);
+    for (const Ref& r : order) {
+      Fiber& f = r.c->fibers[r.i];
       if (f.done) continue;
+      cur_cta = r.c;
       cur_fiber = &f;
 #if DSV41_EMU_FAST_SWITCH
-      dsv41_emu_switch(&c.sched_sp, f.sp);
+      dsv41_emu_switch(&r.c->sched_sp, f.sp);
 #else
-      swapcontext(&c.sched, &f.ctx);
+      swapcontext(&r.c->sched, &f.ctx);
 #endif
       cur_fiber = nullptr;
+      if (f.done) {
+        bool all = true;
+        for (auto& g : r.c->fibers) all = all && g.done;
+        r.c->exited = all;
+      }
     }
     alive = 0;
-    for (auto& f : c.fibers) alive += f.done ? 0 : 1;
-    if (alive && c.progress == before) {
-      std::fprintf(stderr, "emu: deadlock in block %lld; barrier states:", (long long)c.block);
-      for (int i = 0; i < 16; ++i)
-        if (c.bars[i].arrived) std::fprintf(stderr, " [id %d: %d/%d]", i, c.bars[i].arrived, c.bars[i].expected);
-      std::fprintf(stderr, "\n");
+    uint64_t after = 0;
+    for (const Ref& r : order) alive += r.c->fibers[r.i].done ? 0 : 1;
+    for (Cta* c : cl.ctas) after += c->progress;
+    if (alive && after == before) {
+      for (Cta* c : cl.ctas) {
+        std::fprintf(stderr, "emu: deadlock in block %lld; barrier states:", (long long)c->block);
+        for (int i = 0; i < 16; ++i)
+          if (c->bars[i].arrived) std::fprintf(stderr, " [id %d: %d/%d]", i, c->bars[i].arrived, c->bars[i].expected);
+        for (auto& kv : c->mbars)
+          std::fprintf(stderr, " [mbarrier @%u: %d/%d, phase %llu]", kv.first, kv.second.pending, kv.second.count,
+                       (unsigned long long)kv.second.phase);
+        std::fprintf(stderr, "\n");
+      }
       std::abort();
     }
   }
   cur_cta = nullptr;
 }
 
-// Launch `grid` blocks of `nthreads` threads with `smem_bytes` of (poisoned) shared memory.
-// body(smem) runs once per thread; it reads its ids through cur_fiber / cur_cta.
+// Launch `grid` blocks of `nthreads` threads with `smem_bytes` of (poisoned) shared memory, in
+// clusters of `cluster` consecutive blocks (grid must be a multiple). body(smem) runs once per
+// thread; it reads its ids through cur_fiber / cur_cta.
 inline void launch(int64_t grid, int nthreads, size_t smem_bytes, const std::function<void(char*)>& body,
-                   uint64_t seed = 1, int workers = 0) {
+                   uint64_t seed = 1, int workers = 0, int cluster = 1) {
   if (grid <= 0) return;
+  if (cluster < 1 || grid % cluster) fail("launch: grid is not a multiple of the cluster size");
+  const int64_t nclusters = grid / cluster;
   if (workers <= 0) workers = (int)std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
-  workers = (int)std::min<int64_t>(workers, grid);
+  workers = (int)std::min<int64_t>(workers, nclusters);
   std::atomic<int64_t> next{0};
   auto work = [&](int wid) {
-    Cta c;
-    c.nthreads = nthreads;
-    c.stack_bytes = 256 * 1024;
-    c.fibers.resize(nthreads);
-    c.stacks.resize(nthreads);
-    for (int i = 0; i < nthreads; ++i) c.stacks[i] = static_cast<char*>(std::malloc(c.stack_bytes));
-    c.warps.resize((nthreads + 31) / 32);
-    // 1024-aligned, like the swizzle atoms the kernels align their shared memory to
-    std::vector<char> smem(smem_bytes + 1024);
-    char* base = smem.data() + ((1024 - (reinterpret_cast<uintptr_t>(smem.data()) & 1023)) & 1023);
-    c.smem = base;
-    c.smem_bytes = smem_bytes;
-    c.body = &body;
-    for (int64_t blk; (blk = next.fetch_add(1)) < grid;) {
-      std::memset(base, 0xff, smem_bytes);  // poison: NaN-ish bf16 / f32 patterns
-      c.block = blk;
-      c.rng.seed(seed * 0x9E3779B97F4A7C15ull + (uint64_t)blk * 1315423911ull + (uint64_t)wid);
-      run_cta(c);
+    std::vector<Cta> ctas(cluster);
+    std::vector<std::vector<char>> mem(cluster);
+    Cluster cl;
+    for (int r = 0; r < cluster; ++r) {
+      Cta& c = ctas[r];
+      c.nthreads = nthreads;
+      c.stack_bytes = 256 * 1024;
+      c.fibers.resize(nthreads);
+      c.stacks.resize(nthreads);
+      for (int i = 0; i < nthreads; ++i) c.stacks[i] = static_cast<char*>(std::malloc(c.stack_bytes));
+      c.warps.resize((nthreads + 31) / 32);
+      // 1024-aligned, like the swizzle atoms the kernels align their shared memory to
+      mem[r].resize(smem_bytes + 1024);
+      c.smem = mem[r].data() + ((1024 - (reinterpret_cast<uintptr_t>(mem[r].data()) & 1023)) & 1023);
+      c.smem_bytes = smem_bytes;
+      c.body = &body;
+      c.rank = r;
+      cl.ctas.push_back(&c);
     }
-    for (char* s : c.stacks) std::free(s);
+    for (int64_t k; (k = next.fetch_add(1)) < nclusters;) {
+      for (int r = 0; r < cluster; ++r) {
+        Cta& c = ctas[r];
+        std::memset(c.smem, 0xff, smem_bytes);  // poison: NaN-ish bf16 / f32 patterns
+        c.block = k * cluster + r;
+      }
+      ctas[0].rng.seed(seed * 0x9E3779B97F4A7C15ull + (uint64_t)k * 1315423911ull + (uint64_t)wid);
+      run_cluster(cl);
+    }
+    for (Cta& c : ctas)
+      for (char* s : c.stacks) std::free(s);
   };
   std::vector<std::thread> ts;
   for (int w = 1; w < workers; ++w) ts.emplace_back(work, w);

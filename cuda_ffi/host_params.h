@@ -129,6 +129,18 @@ inline std::string make_pool(const char* which, const char* idx_name, const char
 // h_pad] f32, tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1] int32 (the
 // plan the kernels used: computed on the device, or copied from the inputs). num_parts is the
 // first dimension of the tile_scheduler_metadata result.
+// Head groups 2k and 2k + 1 of one query row attend to the same tokens: with an even number of
+// groups their CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
+// DSV41_EXP_NO_PAIR experiment build keeps one CTA per group (timing comparisons).
+inline int32_t pair_groups(int64_t num_groups) {
+#ifdef DSV41_EXP_NO_PAIR
+  (void)num_groups;
+  return 0;
+#else
+  return num_groups % 2 == 0 ? 1 : 0;
+#endif
+}
+
 inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*6*/, float softmax_scale,
                                       int64_t kv_format, int64_t block_size, int64_t has_extra,
                                       int64_t extra_kv_format, int64_t extra_block_size, int64_t device_plan,
@@ -213,6 +225,8 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
   p->num_parts = (int32_t)parts;
   p->has_extra = (int32_t)has_extra;
+  p->pair = pair_groups(p->num_groups);
+  p->pad_ = 0;
   return "";
 }
 
@@ -302,6 +316,7 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->s_q = (int32_t)s_q;
   p->h_pad = (int32_t)h_pad;
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
+  p->pair = pair_groups(p->num_groups);
   return "";
 }
 

@@ -6,13 +6,14 @@
 // ---------------------------------------------------------------------------------------------
 // Attention CTA (decode and prefill share it): 64 query heads x one query token, 384 threads.
 //   warps 0..7  consumers: sm_90a wgmma (consume_tile_wgmma), sm_100a mma.sync (consume_tile_mma_sync)
-//   warps 8..11 producers (gather 64 selected KV rows per tile, dequantize fp8 -> f16)
+//   warps 8..11 producers (gather the selected KV rows of each 64-token tile, all 64 or, in a
+//               2-CTA pair, 32 of them; dequantize fp8 -> f16)
 // setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128.
 // Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
 // f16's range, magnitudes below 2^-17 round on its subnormal grid, beyond +-65504 they saturate).
-// Shared memory (params.h, 214544 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
+// Shared memory (params.h, 214576 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
 // [2 buffers][64 tokens][512], P f16 [2 buffers][64 heads][64 tokens], small f32 exchange arrays,
-// per buffer a 64-bit validity mask (16 bits per producer warp).
+// per buffer a 64-bit validity mask (bit j = token j), the FULL / EMPTY mbarriers.
 // Q and K/V use the 128-byte-swizzle layout wgmma reads (8 column blocks of [64 rows][128 B], chunk c
 // of row r at c ^ (r & 7)); the same XOR keeps every ldmatrix of the mma.sync path conflict-free.
 //
@@ -23,10 +24,11 @@
 //   P as f16 to smem (barrier B2).
 //   O += P V: wgmma path, warpgroup th owns dims 256th..+255 of all 64 heads (rows = its S rows, so
 //   alpha stays in registers); mma.sync path, warp w owns dims 64w..64w+63 (alpha through smem).
-// Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive,
-// consumers sync) and EMPTY[b] (consumers arrive, producers sync); consumer-only exchanges use
-// one 256-thread barrier. Every barrier is executed by every lane of its warps and both roles
-// walk the same tile sequence, so the counts always balance (producers drain the last EMPTYs).
+// Producer/consumer hand-off uses mbarriers per K buffer (see "crew" below): FULL[b] (producer
+// warps arrive, consumers wait) and EMPTY[b] (consumer warps arrive, producers wait), over one CTA
+// or over the 2-CTA cluster of a head-group pair that splits every tile's gather between its two
+// CTAs. Consumer-only exchanges use one 256-thread named barrier. Both roles of every CTA of a
+// crew walk the same tile sequence, so the arrival counts always balance.
 //
 // Fragment layouts (mma.sync m16n8k16, ldmatrix) are written down in prims.cuh.
 // Decode walks the split plan of dsv41_jax.scheduler.plan_decode_splits (see decode_work);
@@ -48,7 +50,7 @@ namespace dsv41 {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-enum : int { kBarFull0 = 1, kBarEmpty0 = 3, kBarConsumers = 5 };  // FULL b = 1 + b, EMPTY b = 3 + b
+enum : int { kBarCta = 0, kBarConsumers = 1 };  // named barriers: the whole CTA, the 256 consumers
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -56,6 +58,68 @@ constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 DEVFN int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 DEVFN int tile_off(int row, int chunk) { return (chunk >> 3) * 8192 + swz128(row, chunk & 7); }
 DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > topk ? topk : len); }
+
+// ============================================================================== crew
+// The CTAs that share a tile sequence: one CTA, or the 2-CTA cluster of head groups 2k, 2k + 1
+// (`pair`). In a pair, each CTA gathers and dequantises 32 of every tile's 64 tokens (rank r:
+// tokens 32r..32r+31) and stores them into its own and its peer's K buffer, so each CTA does half
+// the gather work (FlashMLA's "crossover", flashmla.md section 4). The hand-off is by mbarriers
+// (kSmemBars) in each CTA: FULL[b] completes when the producer warps of every CTA of the crew have
+// filled their share of buffer b (one elected lane per warp arrives, after a __syncwarp that
+// orders the warp's stores); EMPTY[b] when the consumer warps of every CTA have finished reading
+// it. Tile tc uses buffer tc & 1, phase (tc >> 1) of its barriers.
+struct Crew {
+  int ncta;       // 1 or 2
+  int rank;       // in the cluster
+  uint32_t peer;  // cluster address of the peer's shared-memory base (ncta == 2)
+};
+
+DEVFN uint32_t bar_full(const char* smem, int buf) { return smem_addr(smem + kSmemBars + 8 * buf); }
+DEVFN uint32_t bar_empty(const char* smem, int buf) { return smem_addr(smem + kSmemBars + 16 + 8 * buf); }
+
+// Every thread of the CTA: barrier initialisation, then a barrier over the crew (no CTA touches a
+// peer before the peer's mbarriers exist).
+DEVFN Crew crew_setup(char* smem, int pair) {
+  Crew c{pair ? 2 : 1, pair ? cluster_rank() : 0, 0u};
+  if (thread_idx() == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(bar_full(smem, b), kProducerWarps * c.ncta);
+      mbar_init(bar_empty(smem, b), kConsumerWarps * c.ncta);
+    }
+    fence_mbar_init();
+  }
+  if (pair) {
+    c.peer = cluster_map(smem_addr(smem), c.rank ^ 1);
+    cluster_sync();
+  } else {
+    bar_sync(kBarCta, kThreads);
+  }
+  return c;
+}
+
+// Every thread of the CTA, last: a CTA of a pair may not exit while its peer can still store into
+// its shared memory or arrive on its barriers.
+DEVFN void crew_teardown(const Crew& c) {
+  if (c.ncta == 2) cluster_sync();
+}
+
+// One arrival of the calling warp on barrier `bar_off` (offset in the CTA's shared memory) of
+// every CTA of the crew.
+DEVFN void crew_arrive(const char* smem, const Crew& c, int bar_off, int lane) {
+  syncwarp();
+  if (lane == 0) {
+    mbar_arrive(cluster_map(smem_addr(smem + bar_off), c.rank));
+    if (c.ncta == 2) mbar_arrive(c.peer + (uint32_t)bar_off);
+  }
+}
+
+// The tokens of each tile that producer warp pw gathers: [base, base + ntok), ntok = 16 or 8.
+struct Share {
+  int base, ntok;
+};
+DEVFN Share producer_share(const Crew& c, int pw) {
+  return c.ncta == 2 ? Share{32 * c.rank + 8 * pw, 8} : Share{16 * pw, 16};
+}
 
 // ============================================================================== producer
 // 16 fp8 (one 16-byte chunk) * 2^(e-127) -> 16 f16 in two 16-byte chunks (exact in f16's range).
@@ -97,8 +161,8 @@ struct TileSrc {
   int len, tok0;
   bool ok;
 };
-// This warp's share of a tile's addresses: lane l (both half-warps: token l & 15) holds the
-// byte offsets of token tok0 + 16*pw + (l & 15); vmask bit j = that token is valid.
+// This warp's share of a tile's addresses: lane l holds the byte offsets of token
+// tok0 + sh.base + (l % sh.ntok); vmask bit j = token sh.base + j is valid.
 struct TileAddr {
   int64_t doff, soff;
   uint32_t vmask;
@@ -108,17 +172,17 @@ struct TileAddr {
 // yet), the addresses of tile tc+1 are computed from the indices loaded one tile earlier and its
 // rows are prefetched into L2, then tile tc is gathered (its rows prefetched one tile earlier).
 // So the index load and the HBM latency of a tile overlap the previous tile's gather.
-DEVFN int32_t tile_index(const TileSrc& t, int pw, int lane) {
-  const int pos = t.tok0 + 16 * pw + (lane & 15);
+DEVFN int32_t tile_index(const TileSrc& t, const Share& sh, int lane) {
+  const int pos = t.tok0 + sh.base + (lane & (sh.ntok - 1));
   return (t.ok && pos < t.len) ? ldg_nc_s32(t.pool->indices + t.row * (int64_t)t.pool->topk + pos) : -1;
 }
 
 // Warp-uniform in t.ok (ballot inside).
-DEVFN TileAddr tile_addr(const TileSrc& t, int32_t idx, int pw, int lane) {
+DEVFN TileAddr tile_addr(const TileSrc& t, int32_t idx, const Share& sh, int lane) {
   TileAddr a{0, 0, 0u};
   if (!t.ok) return a;
   const Pool& pool = *t.pool;
-  const int pos = t.tok0 + 16 * pw + (lane & 15);
+  const int pos = t.tok0 + sh.base + (lane & (sh.ntok - 1));
   const bool valid = pos < t.len && idx >= 0 && (int64_t)idx < pool.capacity;
   if (valid) {
     if (pool.fmt == kFmtFp8DsMla) {
@@ -130,18 +194,19 @@ DEVFN TileAddr tile_addr(const TileSrc& t, int32_t idx, int pw, int lane) {
       a.doff = (int64_t)idx * (kHeadDim * 2);
     }
   }
-  a.vmask = ballot(valid) & 0xffffu;
+  a.vmask = ballot(valid) & ((1u << sh.ntok) - 1u);
   return a;
 }
 
-// L2 prefetch of this warp's 16 rows of a tile: half-warp h of token l & 15 takes half the lines.
-DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, int lane) {
+// L2 prefetch of this warp's rows of a tile: lanes l and l + ntok (token l % ntok) take half the
+// lines each (lanes from 2 ntok on idle).
+DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, const Share& sh, int lane) {
 #ifdef DSV41_EXP_NO_GATHER
   return;
 #endif
-  if (!t.ok || !((a.vmask >> (lane & 15)) & 1u)) return;
+  if (!t.ok || lane >= 2 * sh.ntok || !((a.vmask >> (lane & (sh.ntok - 1))) & 1u)) return;
   const uint8_t* d = t.pool->base + a.doff;
-  const int h = lane >> 4;
+  const int h = lane >= sh.ntok ? 1 : 0;
   if (t.pool->fmt == kFmtFp8DsMla) {  // 576 data bytes (5-6 lines) + 8 scale bytes
     if (h == 0) {
       prefetch_l2(d);
@@ -160,30 +225,48 @@ DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, int lane) {
   }
 }
 
-// Producer warp pw (0..3) fills rows 16*pw..16*pw+15 of K buffer `buf` with its 16 tokens of tile
-// `t` (addresses `a` from tile_addr) and its 16 bits of the validity mask, in two batches of 8
-// tokens whose loads are all issued before the first is used. Lane l owns dims 16l..16l+15: for
+// Producer warp pw fills rows sh.base.. of K buffer `buf` (its own and, in a pair, its peer's) with
+// its sh.ntok tokens of tile `t` (addresses `a` from tile_addr) and their bits of the validity
+// mask, in batches of 8 tokens whose loads are all issued before the first is used. Lane l owns dims 16l..16l+15: for
 // fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those dims and their UE8M0 byte (one per 64
 // dims), lanes 28..31 the 32 bytes of their bf16 RoPE dims; for bf16 every lane reads 32 bytes.
 // Each token becomes two 16-byte f16 chunks per lane. (Measured alternatives, cuda_notes.md: one
 // batch of 16 fp8 tokens with the RoPE read as 4 bytes per lane, and a continuous 8-deep token
 // ring across tiles, were both slower on the H200.)
-DEVFN void store_chunk_pair(char* kbuf, int row, int lane, const uint4& first, const uint4& second) {
+// `rbuf`: cluster address of the peer's copy of the buffer (written when `remote`).
+DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, int row, int lane, const uint4& first,
+                            const uint4& second) {
   // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
   const bool swap = (lane >> 2) & 1;
-  *reinterpret_cast<uint4*>(kbuf + tile_off(row, 2 * lane + (swap ? 1 : 0))) = swap ? second : first;
-  *reinterpret_cast<uint4*>(kbuf + tile_off(row, 2 * lane + (swap ? 0 : 1))) = swap ? first : second;
+  const int o0 = tile_off(row, 2 * lane + (swap ? 1 : 0)), o1 = tile_off(row, 2 * lane + (swap ? 0 : 1));
+  const uint4 v0 = swap ? second : first, v1 = swap ? first : second;
+  *reinterpret_cast<uint4*>(kbuf + o0) = v0;
+  *reinterpret_cast<uint4*>(kbuf + o1) = v1;
+  if (remote) {
+    st_cluster_v4(rbuf + (uint32_t)o0, v0);
+    st_cluster_v4(rbuf + (uint32_t)o1, v1);
+  }
 }
 
 DEVFN uint4 bf16x8_to_f16x8(const uint4& v) {
   return make_u4(bf16x2_to_f16x2(v.x), bf16x2_to_f16x2(v.y), bf16x2_to_f16x2(v.z), bf16x2_to_f16x2(v.w));
 }
 
-DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, int pw, int lane) {
+// Validity byte of tokens 8i..8i+7 of buffer `buf` into this CTA (and, when `remote`, the peer's).
+DEVFN void store_valid_byte(char* smem, bool remote, uint32_t peer, int buf, int i, uint32_t bits) {
+  const int off = kSmemValid + 8 * buf + i;
+  reinterpret_cast<uint8_t*>(smem)[off] = (uint8_t)bits;
+  if (remote) st_cluster_u8(peer + (uint32_t)off, bits);
+}
+
+DEVFN void fill_tile(char* smem, const Crew& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
+                     int lane) {
   const Pool& pool = *t.pool;
   const uint32_t vmask = a.vmask;
-  if (lane == 0) reinterpret_cast<uint16_t*>(smem + kSmemValid)[buf * 4 + pw] = (uint16_t)vmask;
   char* kbuf = smem + kSmemK + buf * kTileBytes;
+  const bool remote = crew.ncta == 2;
+  const uint32_t peer = crew.peer;
+  const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint8_t* base = pool.base;
 #ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
   const uint32_t lmask = 0u;
@@ -192,7 +275,8 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
 #endif
   if (pool.fmt == kFmtFp8DsMla) {  // warp-uniform
 #pragma unroll 1
-    for (int jb = 0; jb < 16; jb += 8) {
+    for (int jb = 0; jb < sh.ntok; jb += 8) {
+      if (lane == 0) store_valid_byte(smem, remote, peer, buf, (sh.base + jb) >> 3, vmask >> jb);
       uint4 lo[8], hi[8];
       uint32_t sc[8];
 #pragma unroll
@@ -222,12 +306,13 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
           first = bf16x8_to_f16x8(lo[jj]);
           second = bf16x8_to_f16x8(hi[jj]);
         }
-        store_chunk_pair(kbuf, 16 * pw + jb + jj, lane, first, second);
+        store_chunk_pair(kbuf, remote, rbuf, sh.base + jb + jj, lane, first, second);
       }
     }
   } else {
 #pragma unroll 1
-    for (int jb = 0; jb < 16; jb += 8) {
+    for (int jb = 0; jb < sh.ntok; jb += 8) {
+      if (lane == 0) store_valid_byte(smem, remote, peer, buf, (sh.base + jb) >> 3, vmask >> jb);
       uint4 lo[8], hi[8];
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
@@ -241,40 +326,49 @@ DEVFN void fill_tile(char* smem, int buf, const TileSrc& t, const TileAddr& a, i
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
-        store_chunk_pair(kbuf, 16 * pw + jb + jj, lane, bf16x8_to_f16x8(lo[jj]), bf16x8_to_f16x8(hi[jj]));
+        store_chunk_pair(kbuf, remote, rbuf, sh.base + jb + jj, lane, bf16x8_to_f16x8(lo[jj]), bf16x8_to_f16x8(hi[jj]));
     }
   }
-  // bar.arrive orders these shared-memory stores before the consumers' bar.sync returns (the PTX
-  // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
-  fence_proxy_async();
+  // The FULL arrival (release, after crew_arrive's __syncwarp) orders these stores before the
+  // consumers' acquiring wait; wgmma reads them through the async proxy, hence the proxy fence.
+  if (remote)
+    fence_proxy_async_cluster();
+  else
+    fence_proxy_async();
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
-// past the end): look-ahead as described above, FULL / EMPTY hand-off, final drain.
+// past the end): look-ahead as described above, FULL / EMPTY hand-off over the crew.
 template <class Next>
-DEVFN void produce_tiles(char* smem, int pw, int lane, Next&& next) {
+DEVFN void produce_tiles(char* smem, const Crew& crew, int pw, int lane, Next&& next) {
+  const Share sh = producer_share(crew, pw);
   TileSrc t0 = next();
   TileSrc t1 = next();
-  int32_t i1 = tile_index(t1, pw, lane);
-  TileAddr a0 = tile_addr(t0, tile_index(t0, pw, lane), pw, lane);
-  int tc = 0;
-  for (; t0.ok; ++tc) {
+  int32_t i1 = tile_index(t1, sh, lane);
+  TileAddr a0 = tile_addr(t0, tile_index(t0, sh, lane), sh, lane);
+  for (int tc = 0; t0.ok; ++tc) {
     const TileSrc t2 = next();
-    const int32_t i2 = tile_index(t2, pw, lane);  // consumed one tile later
-    const TileAddr a1 = tile_addr(t1, i1, pw, lane);
-    tile_prefetch(t1, a1, lane);
+    const int32_t i2 = tile_index(t2, sh, lane);  // consumed one tile later
+    const TileAddr a1 = tile_addr(t1, i1, sh, lane);
+    tile_prefetch(t1, a1, sh, lane);
     const int buf = tc & 1;
-    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // consumers released tile tc - 2
-    fill_tile(smem, buf, t0, a0, pw, lane);
-    bar_arrive(kBarFull0 + buf, kThreads);
+    if (tc >= 2) mbar_wait(bar_empty(smem, buf), (uint32_t)((tc >> 1) - 1) & 1u);  // tile tc - 2 released
+    fill_tile(smem, crew, buf, t0, a0, sh, lane);
+    crew_arrive(smem, crew, kSmemBars + 8 * buf, lane);  // FULL[buf]
     t0 = t1;
     a0 = a1;
     t1 = t2;
     i1 = i2;
   }
-  // Drain: consume the consumers' EMPTY arrivals of the last two tiles so every barrier phase
-  // completes before the CTA exits.
-  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+}
+
+// Consumers, before reading tile tc / after their last read of it.
+DEVFN void await_tile(const char* smem, int tc) {
+  mbar_wait(bar_full(smem, tc & 1), (uint32_t)(tc >> 1) & 1u);
+  fence_proxy_async();  // the waiting thread's view of the stores, for its wgmma operand reads
+}
+DEVFN void release_tile(const char* smem, const Crew& crew, int tc, int lane) {
+  crew_arrive(smem, crew, kSmemBars + 16 + 8 * (tc & 1), lane);  // EMPTY[buf]
 }
 
 // ============================================================================== consumers
@@ -444,8 +538,7 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   wgmma_commit();
   wgmma_wait0();
   reg_fence<128>(&acc.o[0][0]);
-  // The tile's operands have been read: the producers may refill the buffer.
-  bar_arrive(kBarEmpty0 + buf, kThreads);
+  // The tile's operands have been read: the caller releases the buffer (release_tile).
 }
 
 // sm_100a (and DSV41_FORCE_MMA_SYNC): warp-level mma.sync m16n8k16 with ldmatrix operands.
@@ -526,8 +619,7 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
     }
   }
   // Every ldmatrix of this buffer has delivered its registers to an mma issued above, so the
-  // buffer may be refilled once all consumers arrived.
-  bar_arrive(kBarEmpty0 + buf, kThreads);
+  // caller may release the buffer (release_tile).
 }
 
 DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
@@ -656,7 +748,8 @@ DEVFN DecodeSeg decode_segment(const DecodeParams& p, const DecodeWork& wk, int 
   return sg;
 }
 
-DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, int s, int pw, int lane) {
+DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, const Crew& crew, int s, int pw,
+                            int lane) {
   // Cursor over the CTA's tiles in the consumers' order: requests begin_req..end_req, blocks
   // [blk0, blk1) of each (empty segments give no tile).
   int req = wk.begin_req, blk = 0;
@@ -686,11 +779,11 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
     ++blk;
     return t;
   };
-  produce_tiles(smem, pw, lane, next);
+  produce_tiles(smem, crew, pw, lane, next);
 }
 
-DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, int group, int s, int w,
-                            int lane) {
+DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const Crew& crew, int group,
+                            int s, int w, int lane) {
   Acc acc;
   int tc = 0;
   const int ct = thread_idx();
@@ -702,9 +795,9 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
     for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
-      const int buf = tc & 1;
-      bar_sync(kBarFull0 + buf, kThreads);
-      consume_tile(smem, buf, acc, p.scale_log2, w, lane);
+      await_tile(smem, tc);
+      consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
+      release_tile(smem, crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);
     const int first = ldg_nc_s32(p.num_splits + req);
@@ -720,9 +813,11 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
   }
 }
 
-// Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together).
+// Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together;
+// with p.pair, groups 2k and 2k + 1 form one 2-CTA cluster).
 DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
+  const Crew crew = crew_setup(smem, p.pair);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t rest = bid / p.num_groups;
@@ -732,11 +827,12 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   const int w = warp_idx(), lane = lane_idx();
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<kProducerRegs>();
-    decode_producers(p, wk, smem, s, w - kConsumerWarps, lane);
+    decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    decode_consumers(p, wk, smem, group, s, w, lane);
+    decode_consumers(p, wk, smem, crew, group, s, w, lane);
   }
+  crew_teardown(crew);
 }
 
 // ============================================================================== split planner
@@ -916,6 +1012,7 @@ DEVFN void combine_cta(const DecodeParams& p) {
 // max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
 DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
+  const Crew crew = crew_setup(smem, p.pair);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;
@@ -930,7 +1027,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
       tn += tn < ntiles ? 1 : 0;
       return t;
     };
-    produce_tiles(smem, w - kConsumerWarps, lane, next);
+    produce_tiles(smem, crew, w - kConsumerWarps, lane, next);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     Acc acc;
@@ -938,14 +1035,15 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
     for (int tc = 0; tc < ntiles; ++tc) {
-      const int buf = tc & 1;
-      bar_sync(kBarFull0 + buf, kThreads);
-      consume_tile(smem, buf, acc, p.scale_log2, w, lane);
+      await_tile(smem, tc);
+      consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
+      release_tile(smem, crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);
     write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
                 p.sink + (int64_t)group * kHeadsPerCta);
   }
+  crew_teardown(crew);
 }
 
 }  // namespace dsv41

@@ -13,6 +13,26 @@ cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStr
 // Enqueue the prefill kernel on `stream`.
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
 
+// Launches an attention kernel (kThreads threads, kSmemLaunchBytes of dynamic shared memory) over
+// `grid` CTAs, as 2-CTA clusters when `pair` (the head-group pairs of kernels.cuh's crew).
+template <class Params>
+cudaError_t launch_attention(void (*kernel)(const Params), const Params& p, long long grid, bool pair,
+                             cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid, 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemLaunchBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = pair ? 2 : 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 // Raises the dynamic shared-memory limit of `func` to `bytes` on the current device (once per
 // device and kernel) after checking the device's opt-in limit.
 cudaError_t ensure_smem_limit(const void* func, int bytes, unsigned long long* done_mask);

@@ -49,6 +49,8 @@ struct DecodeParams {
   Pool extra;
   float scale_log2;          // softmax_scale * log2(e)
   int32_t b, s_q, h_pad, num_groups, num_parts, has_extra;
+  int32_t pair;              // 1: CTAs of head groups 2k, 2k+1 run as a 2-CTA cluster sharing the gather
+  int32_t pad_;
 };
 
 // The decode split planner (dsv41_jax.scheduler.plan_decode_splits, run on the device).
@@ -71,6 +73,7 @@ struct PrefillParams {
   Pool kv;             // bf16 rows: capacity = s_kv, lengths per query token
   float scale_log2;
   int32_t s_q, h_pad, num_groups;
+  int32_t pair;        // as in DecodeParams
 };
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P
@@ -85,8 +88,9 @@ constexpr int kSmemRowMax = kSmemP + 2 * kSmemPBytes;                  // f32 [2
 constexpr int kSmemAlpha = kSmemRowMax + 2 * 64 * 4;                   // f32 [64] (mma.sync consumers)
 constexpr int kSmemLsum = kSmemAlpha + 64 * 4;                         // f32 [2][64]
 constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                      // f32 [64]
-constexpr int kSmemValid = kSmemMfin + 64 * 4;                         // u16 [2 buffers][4 producer warps]
-constexpr int kSmemBytes = kSmemValid + 16;                            // 214544
+constexpr int kSmemValid = kSmemMfin + 64 * 4;                         // u8 [2 buffers][8]: bit j of byte i = token 8i+j
+constexpr int kSmemBars = kSmemValid + 16;                             // u64 mbarriers: FULL[2], EMPTY[2]
+constexpr int kSmemBytes = kSmemBars + 32;                             // 214576
 constexpr int kSmemAlign = 1024;                                       // swizzle atoms
 constexpr int kSmemLaunchBytes = kSmemBytes + kSmemAlign;              // dynamic bytes requested
 static_assert(kSmemLaunchBytes <= 227 * 1024, "attention CTA shared memory exceeds the sm_90 limit");

@@ -15,8 +15,7 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (grid <= 0) return cudaSuccess;
   cudaError_t e = ensure_smem_limit((const void*)dsv41_prefill_kernel, kSmemLaunchBytes, &done);
   if (e != cudaSuccess) return e;
-  dsv41_prefill_kernel<<<(unsigned)grid, kThreads, kSmemLaunchBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_attention(dsv41_prefill_kernel, p, grid, p.pair != 0, stream);
 }
 
 }  // namespace dsv41

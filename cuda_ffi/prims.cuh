@@ -311,6 +311,68 @@ DEVFN uint32_t smem_addr(const void* p) {
 #endif
 }
 
+// ------------------------------------------------------------------------------ clusters, mbarriers
+// A cluster address names byte `off` of CTA `rank`'s shared memory (device: mapa; emulator:
+// rank << 24 | off). mbarriers live in shared memory (8 bytes, 8-aligned); arrivals use release
+// and waits acquire semantics at cluster scope, so shared-memory stores (local or remote) made
+// before an arrival are visible to the threads that waited for that phase.
+#if DSV41_DEVICE
+DEVFN int cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return (int)r;
+}
+DEVFN uint32_t cluster_map(uint32_t saddr, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(saddr), "r"(rank));
+  return r;
+}
+// barrier.cluster: every thread of every CTA of the cluster (release / acquire).
+DEVFN void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+DEVFN void st_cluster_v4(uint32_t caddr, const uint4& v) {
+  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(caddr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+DEVFN void st_cluster_u8(uint32_t caddr, uint32_t v) {
+  asm volatile("st.shared::cluster.u8 [%0], %1;" ::"r"(caddr), "r"(v) : "memory");
+}
+DEVFN void mbar_init(uint32_t saddr, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr), "r"(count) : "memory");
+}
+// Makes mbarrier initialisation visible to the cluster (before the cluster barrier that follows).
+DEVFN void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+DEVFN void mbar_arrive(uint32_t caddr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(caddr) : "memory");
+}
+DEVFN void mbar_wait(uint32_t saddr, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(saddr), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+#else
+inline int cluster_rank() { return emu::cur_cta->rank; }
+inline uint32_t cluster_map(uint32_t saddr, int rank) { return ((uint32_t)rank << 24) | (saddr & 0xffffffu); }
+inline void cluster_sync() { emu::cluster_sync(); }
+inline void st_cluster_v4(uint32_t caddr, const uint4& v) { emu::st_cluster(caddr, &v, sizeof v); }
+inline void st_cluster_u8(uint32_t caddr, uint32_t v) {
+  const uint8_t b = (uint8_t)v;
+  emu::st_cluster(caddr, &b, 1);
+}
+inline void mbar_init(uint32_t saddr, int count) { emu::mbar_init(saddr, count); }
+inline void fence_mbar_init() {}
+inline void mbar_arrive(uint32_t caddr) { emu::mbar_arrive(caddr); }
+inline void mbar_wait(uint32_t saddr, uint32_t parity) { emu::mbar_wait(saddr, parity); }
+#endif
+
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i..8i+7 give the row addresses (16 B each)
 // of 8x8 b16 matrix i; lane l receives r[i] = {M_i[l/4][2(l%4)], M_i[l/4][2(l%4)+1]} (first
 // element in the low half).
@@ -449,6 +511,12 @@ DEVFN uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 DEVFN void fence_proxy_async() {
 #if DSV41_DEVICE && DSV41_WGMMA
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// The same for stores into another CTA's shared memory (st.shared::cluster).
+DEVFN void fence_proxy_async_cluster() {
+#if DSV41_DEVICE && DSV41_WGMMA
+  asm volatile("fence.proxy.async.shared::cluster;" ::: "memory");
 #endif
 }
 
