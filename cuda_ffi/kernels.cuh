@@ -50,7 +50,8 @@ namespace dsv41 {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-enum : int { kBarCta = 0, kBarConsumers = 1 };  // named barriers: the whole CTA, the 256 consumers
+// Named barriers: the whole CTA, the 256 consumers, FULL b = 2 + b, EMPTY b = 4 + b.
+enum : int { kBarCta = 0, kBarConsumers = 1, kBarFull0 = 2, kBarEmpty0 = 4 };
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -63,37 +64,38 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // The CTAs that share a tile sequence: one CTA, or the 2-CTA cluster of head groups 2k, 2k + 1
 // (`pair`). In a pair, each CTA gathers and dequantises 32 of every tile's 64 tokens (rank r:
 // tokens 32r..32r+31) and stores them into its own and its peer's K buffer, so each CTA does half
-// the gather work (FlashMLA's "crossover", flashmla.md section 4). The hand-off is by mbarriers
-// (kSmemBars) in each CTA: FULL[b] completes when the producer warps of every CTA of the crew have
-// filled their share of buffer b (one elected lane per warp arrives, after a __syncwarp that
-// orders the warp's stores); EMPTY[b] when the consumer warps of every CTA have finished reading
-// it. Tile tc uses buffer tc & 1, phase (tc >> 1) of its barriers.
+// the gather work (FlashMLA's "crossover", flashmla.md section 4).
+// Inside a CTA the hand-off uses named barriers per K buffer (hardware waits, no polling): FULL[b]
+// (producers arrive, consumers sync) and EMPTY[b] (consumers arrive, producers sync). A pair adds
+// two mbarriers per buffer in each CTA (kSmemBars), signalled by the peer: PFULL[b] (one arrival
+// per peer producer warp once its stores into this CTA are done) and PEMPTY[b] (one per peer
+// consumer warp once it has finished reading its own copy). Only producer warps wait on them:
+// before refilling buffer b they need EMPTY[b] and PEMPTY[b], and before arriving at FULL[b] they
+// wait for PFULL[b], so this CTA's consumers see both halves. Tile tc uses buffer tc & 1 and
+// phase (tc >> 1) of the mbarriers. Arrivals release and waits acquire at cluster scope.
 struct Crew {
   int ncta;       // 1 or 2
   int rank;       // in the cluster
   uint32_t peer;  // cluster address of the peer's shared-memory base (ncta == 2)
 };
 
-DEVFN uint32_t bar_full(const char* smem, int buf) { return smem_addr(smem + kSmemBars + 8 * buf); }
-DEVFN uint32_t bar_empty(const char* smem, int buf) { return smem_addr(smem + kSmemBars + 16 + 8 * buf); }
+DEVFN int bar_pfull(int buf) { return kSmemBars + 8 * buf; }
+DEVFN int bar_pempty(int buf) { return kSmemBars + 16 + 8 * buf; }
 
-// Every thread of the CTA: barrier initialisation, then a barrier over the crew (no CTA touches a
-// peer before the peer's mbarriers exist).
+// Every thread of the CTA: mbarrier initialisation (pairs), then a barrier over the crew (no CTA
+// touches its peer before the peer's mbarriers exist).
 DEVFN Crew crew_setup(char* smem, int pair) {
   Crew c{pair ? 2 : 1, pair ? cluster_rank() : 0, 0u};
+  if (!pair) return c;
   if (thread_idx() == 0) {
     for (int b = 0; b < 2; ++b) {
-      mbar_init(bar_full(smem, b), kProducerWarps * c.ncta);
-      mbar_init(bar_empty(smem, b), kConsumerWarps * c.ncta);
+      mbar_init(smem_addr(smem + bar_pfull(b)), kProducerWarps);
+      mbar_init(smem_addr(smem + bar_pempty(b)), kConsumerWarps);
     }
     fence_mbar_init();
   }
-  if (pair) {
-    c.peer = cluster_map(smem_addr(smem), c.rank ^ 1);
-    cluster_sync();
-  } else {
-    bar_sync(kBarCta, kThreads);
-  }
+  c.peer = cluster_map(smem_addr(smem), c.rank ^ 1);
+  cluster_sync();
   return c;
 }
 
@@ -103,14 +105,11 @@ DEVFN void crew_teardown(const Crew& c) {
   if (c.ncta == 2) cluster_sync();
 }
 
-// One arrival of the calling warp on barrier `bar_off` (offset in the CTA's shared memory) of
-// every CTA of the crew.
-DEVFN void crew_arrive(const char* smem, const Crew& c, int bar_off, int lane) {
+// One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
+// shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
+DEVFN void peer_arrive(const Crew& c, int bar_off, int lane) {
   syncwarp();
-  if (lane == 0) {
-    mbar_arrive(cluster_map(smem_addr(smem + bar_off), c.rank));
-    if (c.ncta == 2) mbar_arrive(c.peer + (uint32_t)bar_off);
-  }
+  if (lane == 0) mbar_arrive(c.peer + (uint32_t)bar_off);
 }
 
 // The tokens of each tile that producer warp pw gathers: [base, base + ntok), ntok = 16 or 8.
@@ -329,8 +328,9 @@ DEVFN void fill_tile(char* smem, const Crew& crew, int buf, const TileSrc& t, co
         store_chunk_pair(kbuf, remote, rbuf, sh.base + jb + jj, lane, bf16x8_to_f16x8(lo[jj]), bf16x8_to_f16x8(hi[jj]));
     }
   }
-  // The FULL arrival (release, after crew_arrive's __syncwarp) orders these stores before the
-  // consumers' acquiring wait; wgmma reads them through the async proxy, hence the proxy fence.
+  // bar.arrive FULL orders the stores into this CTA before its consumers' bar.sync returns (the PTX
+  // ISA's producer/consumer example), the release of the PFULL arrival the stores into the peer;
+  // wgmma reads them through the async proxy, hence the proxy fence.
   if (remote)
     fence_proxy_async_cluster();
   else
@@ -338,37 +338,51 @@ DEVFN void fill_tile(char* smem, const Crew& crew, int buf, const TileSrc& t, co
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
-// past the end): look-ahead as described above, FULL / EMPTY hand-off over the crew.
+// past the end): look-ahead as described above, FULL / EMPTY hand-off (and, in a pair, PFULL /
+// PEMPTY), final drain.
 template <class Next>
 DEVFN void produce_tiles(char* smem, const Crew& crew, int pw, int lane, Next&& next) {
   const Share sh = producer_share(crew, pw);
+  const bool pair = crew.ncta == 2;
   TileSrc t0 = next();
   TileSrc t1 = next();
   int32_t i1 = tile_index(t1, sh, lane);
   TileAddr a0 = tile_addr(t0, tile_index(t0, sh, lane), sh, lane);
-  for (int tc = 0; t0.ok; ++tc) {
+  int tc = 0;
+  for (; t0.ok; ++tc) {
     const TileSrc t2 = next();
     const int32_t i2 = tile_index(t2, sh, lane);  // consumed one tile later
     const TileAddr a1 = tile_addr(t1, i1, sh, lane);
     tile_prefetch(t1, a1, sh, lane);
     const int buf = tc & 1;
-    if (tc >= 2) mbar_wait(bar_empty(smem, buf), (uint32_t)((tc >> 1) - 1) & 1u);  // tile tc - 2 released
+    if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
+      bar_sync(kBarEmpty0 + buf, kThreads);
+      if (pair) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
+    }
     fill_tile(smem, crew, buf, t0, a0, sh, lane);
-    crew_arrive(smem, crew, kSmemBars + 8 * buf, lane);  // FULL[buf]
+    if (pair) {  // our half is in the peer; wait until the peer's half is in ours
+      peer_arrive(crew, bar_pfull(buf), lane);
+      mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
+    }
+    bar_arrive(kBarFull0 + buf, kThreads);
     t0 = t1;
     a0 = a1;
     t1 = t2;
     i1 = i2;
   }
+  // Drain: consume the consumers' EMPTY arrivals of the last two tiles so every named-barrier
+  // phase completes before the CTA exits (the peer's PEMPTY arrivals need no drain).
+  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
 // Consumers, before reading tile tc / after their last read of it.
-DEVFN void await_tile(const char* smem, int tc) {
-  mbar_wait(bar_full(smem, tc & 1), (uint32_t)(tc >> 1) & 1u);
-  fence_proxy_async();  // the waiting thread's view of the stores, for its wgmma operand reads
+DEVFN void await_tile(int tc) {
+  bar_sync(kBarFull0 + (tc & 1), kThreads);
+  fence_proxy_async();  // this thread's view of the producers' stores, for its wgmma operand reads
 }
-DEVFN void release_tile(const char* smem, const Crew& crew, int tc, int lane) {
-  crew_arrive(smem, crew, kSmemBars + 16 + 8 * (tc & 1), lane);  // EMPTY[buf]
+DEVFN void release_tile(const Crew& crew, int tc, int lane) {
+  bar_arrive(kBarEmpty0 + (tc & 1), kThreads);
+  if (crew.ncta == 2) peer_arrive(crew, bar_pempty(tc & 1), lane);
 }
 
 // ============================================================================== consumers
@@ -795,9 +809,9 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
     for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
-      await_tile(smem, tc);
+      await_tile(tc);
       consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
-      release_tile(smem, crew, tc, lane);
+      release_tile(crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);
     const int first = ldg_nc_s32(p.num_splits + req);
@@ -1035,9 +1049,9 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
     for (int tc = 0; tc < ntiles; ++tc) {
-      await_tile(smem, tc);
+      await_tile(tc);
       consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
-      release_tile(smem, crew, tc, lane);
+      release_tile(crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);
     write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,

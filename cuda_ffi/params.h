@@ -89,7 +89,7 @@ constexpr int kSmemAlpha = kSmemRowMax + 2 * 64 * 4;                   // f32 [6
 constexpr int kSmemLsum = kSmemAlpha + 64 * 4;                         // f32 [2][64]
 constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                      // f32 [64]
 constexpr int kSmemValid = kSmemMfin + 64 * 4;                         // u8 [2 buffers][8]: bit j of byte i = token 8i+j
-constexpr int kSmemBars = kSmemValid + 16;                             // u64 mbarriers: FULL[2], EMPTY[2]
+constexpr int kSmemBars = kSmemValid + 16;                             // u64 mbarriers (pairs): PFULL[2], PEMPTY[2]
 constexpr int kSmemBytes = kSmemBars + 32;                             // 214576
 constexpr int kSmemAlign = 1024;                                       // swizzle atoms
 constexpr int kSmemLaunchBytes = kSmemBytes + kSmemAlign;              // dynamic bytes requested
