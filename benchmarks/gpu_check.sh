@@ -47,7 +47,7 @@ for s in "${stages[@]}"; do
     cuda-ablation)
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
-               "no_pair:--define DSV41_EXP_NO_PAIR"; do
+               "no_pair:--define DSV41_EXP_NO_PAIR" "no_remote:--define DSV41_EXP_NO_REMOTE"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

@@ -241,6 +241,9 @@ DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, int row, int
   const uint4 v0 = swap ? second : first, v1 = swap ? first : second;
   *reinterpret_cast<uint4*>(kbuf + o0) = v0;
   *reinterpret_cast<uint4*>(kbuf + o1) = v1;
+#ifdef DSV41_EXP_NO_REMOTE  // experiment: pairs skip the stores into the peer (wrong results; timing only)
+  remote = false;
+#endif
   if (remote) {
     st_cluster_v4(rbuf + (uint32_t)o0, v0);
     st_cluster_v4(rbuf + (uint32_t)o1, v1);

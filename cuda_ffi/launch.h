@@ -15,9 +15,14 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
 
 // Launches an attention kernel (kThreads threads, kSmemLaunchBytes of dynamic shared memory) over
 // `grid` CTAs, as 2-CTA clusters when `pair` (the head-group pairs of kernels.cuh's crew).
+// Single CTAs use a plain launch: a cluster launch, even of 1-CTA clusters, measured slower.
 template <class Params>
 cudaError_t launch_attention(void (*kernel)(const Params), const Params& p, long long grid, bool pair,
                              cudaStream_t stream) {
+  if (!pair) {
+    kernel<<<(unsigned)grid, kThreads, kSmemLaunchBytes, stream>>>(p);
+    return cudaGetLastError();
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)grid, 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
@@ -25,7 +30,7 @@ cudaError_t launch_attention(void (*kernel)(const Params), const Params& p, long
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = pair ? 2 : 1;
+  attr[0].val.clusterDim.x = 2;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
