@@ -4,9 +4,11 @@
 
 namespace dsv41 {
 
+// kPair: head groups 2k, 2k + 1 as 2-CTA clusters (kernels.cuh, "crew").
+template <bool kPair>
 __global__ void __launch_bounds__(kThreads, 1) dsv41_decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) char smem[];
-  decode_cta(p, smem);
+  decode_cta<kPair>(p, smem);
 }
 
 __global__ void __launch_bounds__(kPlanThreads) dsv41_plan_kernel(const __grid_constant__ PlanParams p) {
@@ -38,10 +40,12 @@ cudaError_t ensure_smem_limit(const void* func, int bytes, unsigned long long* d
 }
 
 cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStream_t stream) {
-  static unsigned long long done = 0;
+  static unsigned long long done[2] = {0, 0};
   const long long grid = (long long)p.num_groups * p.s_q * p.num_parts;
   if (grid <= 0 || p.b <= 0) return cudaSuccess;
-  cudaError_t e = ensure_smem_limit((const void*)dsv41_decode_kernel, kSmemLaunchBytes, &done);
+  const bool pair = p.pair != 0;
+  auto* kernel = pair ? dsv41_decode_kernel<true> : dsv41_decode_kernel<false>;
+  cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
   if (e != cudaSuccess) return e;
   if (plan.device_plan)
     dsv41_plan_kernel<<<1, kPlanThreads, 0, stream>>>(plan);
@@ -49,7 +53,7 @@ cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStr
     dsv41_plan_copy_kernel<<<1, 256, 0, stream>>>(plan);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  e = launch_attention(dsv41_decode_kernel, p, grid, p.pair != 0, stream);
+  e = launch_attention(kernel, p, grid, pair, stream);
   if (e != cudaSuccess) return e;
   const long long cgrid = (long long)p.b * p.s_q * (p.h_pad / 8);
   dsv41_combine_kernel<<<(unsigned)cgrid, kCombineThreads, 0, stream>>>(p);

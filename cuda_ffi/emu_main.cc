@@ -47,7 +47,10 @@ int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, 
   if (!err.empty()) return report("dsv41_sparse_mla_decode: " + err, errbuf, errlen);
   emu_plan(plan, seed + 2, workers);
   const int64_t grid = (int64_t)p.num_groups * p.s_q * p.num_parts;
-  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) { dsv41::decode_cta(p, smem); }, seed,
+  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
+                if (p.pair) dsv41::decode_cta<true>(p, smem);
+                else dsv41::decode_cta<false>(p, smem);
+              }, seed,
               workers, p.pair ? 2 : 1);
   const int64_t cgrid = (int64_t)p.b * p.s_q * (p.h_pad / 8);
   emu::launch(cgrid, dsv41::kCombineThreads, 0, [&p](char*) { dsv41::combine_cta(p); }, seed + 1, workers);
@@ -73,7 +76,10 @@ int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out,
   std::string err = dsv41::make_prefill_params(in, out, softmax_scale, &p);
   if (!err.empty()) return report("dsv41_sparse_mla_prefill: " + err, errbuf, errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q;
-  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) { dsv41::prefill_cta(p, smem); }, seed,
+  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
+                if (p.pair) dsv41::prefill_cta<true>(p, smem);
+                else dsv41::prefill_cta<false>(p, smem);
+              }, seed,
               workers, p.pair ? 2 : 1);
   return 0;
 }

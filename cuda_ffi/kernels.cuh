@@ -73,10 +73,13 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // before refilling buffer b they need EMPTY[b] and PEMPTY[b], and before arriving at FULL[b] they
 // wait for PFULL[b], so this CTA's consumers see both halves. Tile tc uses buffer tc & 1 and
 // phase (tc >> 1) of the mbarriers. Arrivals release and waits acquire at cluster scope.
+// A compile-time property of the kernel (two instantiations), so a single CTA's code carries no
+// cluster instructions or pair branches.
+template <bool kPair>
 struct Crew {
-  int ncta;       // 1 or 2
+  static constexpr int ncta = kPair ? 2 : 1;
   int rank;       // in the cluster
-  uint32_t peer;  // cluster address of the peer's shared-memory base (ncta == 2)
+  uint32_t peer;  // cluster address of the peer's shared-memory base (pairs)
 };
 
 DEVFN int bar_pfull(int buf) { return kSmemBars + 8 * buf; }
@@ -84,30 +87,35 @@ DEVFN int bar_pempty(int buf) { return kSmemBars + 16 + 8 * buf; }
 
 // Every thread of the CTA: mbarrier initialisation (pairs), then a barrier over the crew (no CTA
 // touches its peer before the peer's mbarriers exist).
-DEVFN Crew crew_setup(char* smem, int pair) {
-  Crew c{pair ? 2 : 1, pair ? cluster_rank() : 0, 0u};
-  if (!pair) return c;
-  if (thread_idx() == 0) {
-    for (int b = 0; b < 2; ++b) {
-      mbar_init(smem_addr(smem + bar_pfull(b)), kProducerWarps);
-      mbar_init(smem_addr(smem + bar_pempty(b)), kConsumerWarps);
+template <bool kPair>
+DEVFN Crew<kPair> crew_setup(char* smem) {
+  Crew<kPair> c{0, 0u};
+  if constexpr (kPair) {
+    c.rank = cluster_rank();
+    if (thread_idx() == 0) {
+      for (int b = 0; b < 2; ++b) {
+        mbar_init(smem_addr(smem + bar_pfull(b)), kProducerWarps);
+        mbar_init(smem_addr(smem + bar_pempty(b)), kConsumerWarps);
+      }
+      fence_mbar_init();
     }
-    fence_mbar_init();
+    c.peer = cluster_map(smem_addr(smem), c.rank ^ 1);
+    cluster_sync();
   }
-  c.peer = cluster_map(smem_addr(smem), c.rank ^ 1);
-  cluster_sync();
   return c;
 }
 
 // Every thread of the CTA, last: a CTA of a pair may not exit while its peer can still store into
 // its shared memory or arrive on its barriers.
-DEVFN void crew_teardown(const Crew& c) {
-  if (c.ncta == 2) cluster_sync();
+template <class C>
+DEVFN void crew_teardown(const C&) {
+  if constexpr (C::ncta == 2) cluster_sync();
 }
 
 // One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
 // shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
-DEVFN void peer_arrive(const Crew& c, int bar_off, int lane) {
+template <class C>
+DEVFN void peer_arrive(const C& c, int bar_off, int lane) {
   syncwarp();
   if (lane == 0) mbar_arrive(c.peer + (uint32_t)bar_off);
 }
@@ -116,8 +124,9 @@ DEVFN void peer_arrive(const Crew& c, int bar_off, int lane) {
 struct Share {
   int base, ntok;
 };
-DEVFN Share producer_share(const Crew& c, int pw) {
-  return c.ncta == 2 ? Share{32 * c.rank + 8 * pw, 8} : Share{16 * pw, 16};
+template <class C>
+DEVFN Share producer_share(const C& c, int pw) {
+  return C::ncta == 2 ? Share{32 * c.rank + 8 * pw, 8} : Share{16 * pw, 16};
 }
 
 // ============================================================================== producer
@@ -261,12 +270,13 @@ DEVFN void store_valid_byte(char* smem, bool remote, uint32_t peer, int buf, int
   if (remote) st_cluster_u8(peer + (uint32_t)off, bits);
 }
 
-DEVFN void fill_tile(char* smem, const Crew& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
+template <class C>
+DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
                      int lane) {
   const Pool& pool = *t.pool;
   const uint32_t vmask = a.vmask;
   char* kbuf = smem + kSmemK + buf * kTileBytes;
-  const bool remote = crew.ncta == 2;
+  constexpr bool remote = C::ncta == 2;
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint8_t* base = pool.base;
@@ -343,10 +353,10 @@ DEVFN void fill_tile(char* smem, const Crew& crew, int buf, const TileSrc& t, co
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
 // past the end): look-ahead as described above, FULL / EMPTY hand-off (and, in a pair, PFULL /
 // PEMPTY), final drain.
-template <class Next>
-DEVFN void produce_tiles(char* smem, const Crew& crew, int pw, int lane, Next&& next) {
+template <class C, class Next>
+DEVFN void produce_tiles(char* smem, const C& crew, int pw, int lane, Next&& next) {
   const Share sh = producer_share(crew, pw);
-  const bool pair = crew.ncta == 2;
+  constexpr bool pair = C::ncta == 2;
   TileSrc t0 = next();
   TileSrc t1 = next();
   int32_t i1 = tile_index(t1, sh, lane);
@@ -379,13 +389,17 @@ DEVFN void produce_tiles(char* smem, const Crew& crew, int pw, int lane, Next&& 
 }
 
 // Consumers, before reading tile tc / after their last read of it.
-DEVFN void await_tile(int tc) {
+template <class C>
+DEVFN void await_tile(const C&, int tc) {
   bar_sync(kBarFull0 + (tc & 1), kThreads);
-  fence_proxy_async();  // this thread's view of the producers' stores, for its wgmma operand reads
+  // pairs: this thread's view of the peer's stores (observed through the producers' PFULL wait),
+  // for its wgmma operand reads
+  if constexpr (C::ncta == 2) fence_proxy_async_cluster();
 }
-DEVFN void release_tile(const Crew& crew, int tc, int lane) {
+template <class C>
+DEVFN void release_tile(const C& crew, int tc, int lane) {
   bar_arrive(kBarEmpty0 + (tc & 1), kThreads);
-  if (crew.ncta == 2) peer_arrive(crew, bar_pempty(tc & 1), lane);
+  if constexpr (C::ncta == 2) peer_arrive(crew, bar_pempty(tc & 1), lane);
 }
 
 // ============================================================================== consumers
@@ -765,7 +779,8 @@ DEVFN DecodeSeg decode_segment(const DecodeParams& p, const DecodeWork& wk, int 
   return sg;
 }
 
-DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, const Crew& crew, int s, int pw,
+template <class C>
+DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int s, int pw,
                             int lane) {
   // Cursor over the CTA's tiles in the consumers' order: requests begin_req..end_req, blocks
   // [blk0, blk1) of each (empty segments give no tile).
@@ -799,7 +814,8 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
   produce_tiles(smem, crew, pw, lane, next);
 }
 
-DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const Crew& crew, int group,
+template <class C>
+DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
                             int s, int w, int lane) {
   Acc acc;
   int tc = 0;
@@ -812,7 +828,7 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
     for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
-      await_tile(tc);
+      await_tile(crew, tc);
       consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
@@ -832,9 +848,10 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
 
 // Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together;
 // with p.pair, groups 2k and 2k + 1 form one 2-CTA cluster).
+template <bool kPair>
 DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const Crew crew = crew_setup(smem, p.pair);
+  const Crew<kPair> crew = crew_setup<kPair>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t rest = bid / p.num_groups;
@@ -1027,9 +1044,10 @@ DEVFN void combine_cta(const DecodeParams& p) {
 // One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
 // query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
 // max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
+template <bool kPair>
 DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const Crew crew = crew_setup(smem, p.pair);
+  const Crew<kPair> crew = crew_setup<kPair>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;
@@ -1052,7 +1070,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
     for (int tc = 0; tc < ntiles; ++tc) {
-      await_tile(tc);
+      await_tile(crew, tc);
       consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
