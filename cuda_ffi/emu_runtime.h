@@ -64,9 +64,12 @@ struct Cta;
 struct Cluster;
 
 // A shared-memory mbarrier: `count` arrivals complete the current phase.
+// A phase completes when `count` arrivals were made and the transaction count (bytes expected by
+// arrive.expect_tx minus bytes completed by st.async) is back to 0.
 struct MBar {
   int count = 0;
   int pending = 0;
+  int64_t tx = 0;
   uint64_t phase = 0;  // completed phases
 };
 
@@ -201,7 +204,7 @@ inline void cluster_sync() {
 inline void mbar_init(uint32_t off, int count) {
   if (count <= 0) fail("mbarrier initialised with a count <= 0");
   if (off & 7u) fail("mbarrier not 8-byte aligned");
-  cur_cta->mbars[off] = MBar{count, 0, 0};
+  cur_cta->mbars[off] = MBar{count, 0, 0, 0};
 }
 
 inline MBar& mbar_at(Cta* c, uint32_t off) {
@@ -210,15 +213,25 @@ inline MBar& mbar_at(Cta* c, uint32_t off) {
   return it->second;
 }
 
-inline void mbar_arrive(uint32_t caddr) {
+inline uint32_t cluster_self() { return (uint32_t)cur_cta->rank << 24; }
+
+inline void mbar_try_complete(MBar& m) {
+  if (m.pending == m.count && m.tx == 0) {
+    m.pending = 0;
+    ++m.phase;
+  }
+}
+
+// One arrival (expecting `tx_bytes` more bytes of asynchronous stores in this phase).
+inline void mbar_arrive(uint32_t caddr, uint32_t tx_bytes = 0) {
   if (!cur_fiber->wgmma_pending.empty()) fail("mbarrier arrival with a wgmma group not waited on");
   Cta* t = cluster_cta(caddr);
   MBar& m = mbar_at(t, caddr & 0xffffffu);
   ++cur_cta->progress;
-  if (++m.pending == m.count) {
-    m.pending = 0;
-    ++m.phase;
-  }
+  if (m.pending >= m.count) fail("mbarrier: more arrivals than its count in one phase");
+  ++m.pending;
+  m.tx += tx_bytes;
+  mbar_try_complete(m);
   yield();
 }
 
@@ -234,6 +247,15 @@ inline void st_cluster(uint32_t caddr, const void* v, size_t n) {
   const uint32_t off = caddr & 0xffffffu;
   if (off + n > t->smem_bytes) fail("shared::cluster store outside the target CTA's shared memory");
   std::memcpy(t->smem + off, v, n);
+}
+
+// st.async: the store, then complete_tx of its size on mbarrier `cbar` of the destination CTA.
+inline void st_async(uint32_t caddr, const void* v, size_t n, uint32_t cbar) {
+  if ((caddr >> 24) != (cbar >> 24)) fail("st.async: the mbarrier must be in the destination CTA");
+  st_cluster(caddr, v, n);
+  MBar& m = mbar_at(cluster_cta(cbar), cbar & 0xffffffu);
+  m.tx -= (int64_t)n;
+  mbar_try_complete(m);
 }
 
 // All 32 lanes of the calling warp deposit `size` bytes; once all arrived, each lane runs

@@ -11,9 +11,9 @@
 // setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128.
 // Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
 // f16's range, magnitudes below 2^-17 round on its subnormal grid, beyond +-65504 they saturate).
-// Shared memory (params.h, 214576 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
+// Shared memory (params.h, 214624 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
 // [2 buffers][64 tokens][512], P f16 [2 buffers][64 heads][64 tokens], small f32 exchange arrays,
-// per buffer a 64-bit validity mask (bit j = token j), the FULL / EMPTY mbarriers.
+// per buffer a validity mask (8 words of 8 bits), the pair's mbarriers.
 // Q and K/V use the 128-byte-swizzle layout wgmma reads (8 column blocks of [64 rows][128 B], chunk c
 // of row r at c ^ (r & 7)); the same XOR keeps every ldmatrix of the mma.sync path conflict-free.
 //
@@ -67,12 +67,15 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // the gather work (FlashMLA's "crossover", flashmla.md section 4).
 // Inside a CTA the hand-off uses named barriers per K buffer (hardware waits, no polling): FULL[b]
 // (producers arrive, consumers sync) and EMPTY[b] (consumers arrive, producers sync). A pair adds
-// two mbarriers per buffer in each CTA (kSmemBars), signalled by the peer: PFULL[b] (one arrival
-// per peer producer warp once its stores into this CTA are done) and PEMPTY[b] (one per peer
-// consumer warp once it has finished reading its own copy). Only producer warps wait on them:
-// before refilling buffer b they need EMPTY[b] and PEMPTY[b], and before arriving at FULL[b] they
-// wait for PFULL[b], so this CTA's consumers see both halves. Tile tc uses buffer tc & 1 and
-// phase (tc >> 1) of the mbarriers. Arrivals release and waits acquire at cluster scope.
+// two mbarriers per buffer in each CTA (kSmemBars): PFULL[b] completes when this CTA's producer
+// warps have arrived (each expecting the bytes of its peer counterpart) and the peer's st.async
+// stores into this CTA have landed (their complete_tx brings the transaction count back to 0);
+// PEMPTY[b] takes one arrival per peer consumer warp once it has finished reading its own copy.
+// Only producer warps wait on them: before refilling buffer b they need EMPTY[b] and PEMPTY[b],
+// and before arriving at FULL[b] they wait for PFULL[b], so this CTA's consumers see both halves.
+// Tile tc uses buffer tc & 1 and phase (tc >> 1) of the mbarriers. The remote stores are st.async
+// (FlashMLA's choice too): generic st.shared::cluster stores followed by a releasing arrival
+// measured slower than one CTA gathering everything (RESULTS.md, cuda pair ablation).
 // A compile-time property of the kernel (two instantiations), so a single CTA's code carries no
 // cluster instructions or pair branches.
 template <bool kPair>
@@ -114,6 +117,12 @@ DEVFN void crew_teardown(const C&) {
 
 // One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
 // shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
+// Bytes one producer warp of a pair stores into its peer per tile: 8 tokens x 1024 B + its mask word.
+#ifdef DSV41_EXP_NO_REMOTE
+constexpr uint32_t kPeerBytesPerWarp = 0;
+#else
+constexpr uint32_t kPeerBytesPerWarp = 8 * kHeadDim * 2 + 4;
+#endif
 template <class C>
 DEVFN void peer_arrive(const C& c, int bar_off, int lane) {
   syncwarp();
@@ -241,9 +250,10 @@ DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, const Share& sh, i
 // Each token becomes two 16-byte f16 chunks per lane. (Measured alternatives, cuda_notes.md: one
 // batch of 16 fp8 tokens with the RoPE read as 4 bytes per lane, and a continuous 8-deep token
 // ring across tiles, were both slower on the H200.)
-// `rbuf`: cluster address of the peer's copy of the buffer (written when `remote`).
-DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, int row, int lane, const uint4& first,
-                            const uint4& second) {
+// `rbuf`: cluster address of the peer's copy of the buffer (written when `remote`, by st.async
+// completing on the peer's mbarrier `rbar`).
+DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int row, int lane,
+                            const uint4& first, const uint4& second) {
   // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
   const bool swap = (lane >> 2) & 1;
   const int o0 = tile_off(row, 2 * lane + (swap ? 1 : 0)), o1 = tile_off(row, 2 * lane + (swap ? 0 : 1));
@@ -254,8 +264,8 @@ DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, int row, int
   remote = false;
 #endif
   if (remote) {
-    st_cluster_v4(rbuf + (uint32_t)o0, v0);
-    st_cluster_v4(rbuf + (uint32_t)o1, v1);
+    st_async_v4(rbuf + (uint32_t)o0, v0, rbar);
+    st_async_v4(rbuf + (uint32_t)o1, v1, rbar);
   }
 }
 
@@ -263,11 +273,12 @@ DEVFN uint4 bf16x8_to_f16x8(const uint4& v) {
   return make_u4(bf16x2_to_f16x2(v.x), bf16x2_to_f16x2(v.y), bf16x2_to_f16x2(v.z), bf16x2_to_f16x2(v.w));
 }
 
-// Validity byte of tokens 8i..8i+7 of buffer `buf` into this CTA (and, when `remote`, the peer's).
-DEVFN void store_valid_byte(char* smem, bool remote, uint32_t peer, int buf, int i, uint32_t bits) {
-  const int off = kSmemValid + 8 * buf + i;
-  reinterpret_cast<uint8_t*>(smem)[off] = (uint8_t)bits;
-  if (remote) st_cluster_u8(peer + (uint32_t)off, bits);
+// Validity word of tokens 8i..8i+7 of buffer `buf` (bits 0..7) into this CTA (and, when `remote`,
+// the peer's, by st.async completing on `rbar`).
+DEVFN void store_valid_word(char* smem, bool remote, uint32_t peer, uint32_t rbar, int buf, int i, uint32_t bits) {
+  const int off = kSmemValid + 4 * (8 * buf + i);
+  *reinterpret_cast<uint32_t*>(smem + off) = bits & 0xffu;
+  if (remote) st_async_u32(peer + (uint32_t)off, bits & 0xffu, rbar);
 }
 
 template <class C>
@@ -279,6 +290,7 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const
   constexpr bool remote = C::ncta == 2;
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
+  const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
   const uint8_t* base = pool.base;
 #ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
   const uint32_t lmask = 0u;
@@ -288,7 +300,7 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const
   if (pool.fmt == kFmtFp8DsMla) {  // warp-uniform
 #pragma unroll 1
     for (int jb = 0; jb < sh.ntok; jb += 8) {
-      if (lane == 0) store_valid_byte(smem, remote, peer, buf, (sh.base + jb) >> 3, vmask >> jb);
+      if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + jb) >> 3, vmask >> jb);
       uint4 lo[8], hi[8];
       uint32_t sc[8];
 #pragma unroll
@@ -318,13 +330,13 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const
           first = bf16x8_to_f16x8(lo[jj]);
           second = bf16x8_to_f16x8(hi[jj]);
         }
-        store_chunk_pair(kbuf, remote, rbuf, sh.base + jb + jj, lane, first, second);
+        store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, first, second);
       }
     }
   } else {
 #pragma unroll 1
     for (int jb = 0; jb < sh.ntok; jb += 8) {
-      if (lane == 0) store_valid_byte(smem, remote, peer, buf, (sh.base + jb) >> 3, vmask >> jb);
+      if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + jb) >> 3, vmask >> jb);
       uint4 lo[8], hi[8];
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
@@ -338,16 +350,12 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const
       }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
-        store_chunk_pair(kbuf, remote, rbuf, sh.base + jb + jj, lane, bf16x8_to_f16x8(lo[jj]), bf16x8_to_f16x8(hi[jj]));
+        store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, bf16x8_to_f16x8(lo[jj]), bf16x8_to_f16x8(hi[jj]));
     }
   }
-  // bar.arrive FULL orders the stores into this CTA before its consumers' bar.sync returns (the PTX
-  // ISA's producer/consumer example), the release of the PFULL arrival the stores into the peer;
-  // wgmma reads them through the async proxy, hence the proxy fence.
-  if (remote)
-    fence_proxy_async_cluster();
-  else
-    fence_proxy_async();
+  // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
+  // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
+  fence_proxy_async();
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -373,8 +381,8 @@ DEVFN void produce_tiles(char* smem, const C& crew, int pw, int lane, Next&& nex
       if (pair) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
     fill_tile(smem, crew, buf, t0, a0, sh, lane);
-    if (pair) {  // our half is in the peer; wait until the peer's half is in ours
-      peer_arrive(crew, bar_pfull(buf), lane);
+    if constexpr (pair) {  // wait until the peer's half has landed in ours
+      if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
     }
     bar_arrive(kBarFull0 + buf, kThreads);
@@ -457,7 +465,8 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
   const int g = lane >> 2, t = lane & 3, rq = w & 3, th = w >> 2;
   float* rmax = reinterpret_cast<float*>(smem + kSmemRowMax);
   // tokens 32th..32th+31: the 16-bit masks of producer warps 2th (low) and 2th+1 (high)
-  const uint32_t vm = reinterpret_cast<const uint32_t*>(smem + kSmemValid)[buf * 2 + th];
+  const uint4 vw = reinterpret_cast<const uint4*>(smem + kSmemValid)[buf * 2 + th];
+  const uint32_t vm = vw.x | (vw.y << 8) | (vw.z << 16) | (vw.w << 24);
   const float ninf = -finf();
 #pragma unroll
   for (int j = 0; j < 4; ++j)

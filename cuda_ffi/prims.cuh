@@ -331,14 +331,6 @@ DEVFN uint32_t cluster_map(uint32_t saddr, int rank) {
 DEVFN void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-DEVFN void st_cluster_v4(uint32_t caddr, const uint4& v) {
-  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(caddr), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
-DEVFN void st_cluster_u8(uint32_t caddr, uint32_t v) {
-  asm volatile("st.shared::cluster.u8 [%0], %1;" ::"r"(caddr), "r"(v) : "memory");
-}
 DEVFN void mbar_init(uint32_t saddr, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr), "r"(count) : "memory");
 }
@@ -346,6 +338,23 @@ DEVFN void mbar_init(uint32_t saddr, int count) {
 DEVFN void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 DEVFN void mbar_arrive(uint32_t caddr) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(caddr) : "memory");
+}
+// Arrival on this CTA's mbarrier that also expects `bytes` more of asynchronous stores this phase.
+DEVFN void mbar_arrive_expect_tx(uint32_t saddr, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(saddr), "r"(bytes)
+               : "memory");
+}
+// st.async: a store into another CTA's shared memory that, once performed, completes its size in
+// bytes of the transaction count of mbarrier `cbar` (in the same CTA as the destination); no wait.
+DEVFN void st_async_v4(uint32_t caddr, const uint4& v, uint32_t cbar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(caddr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cbar)
+               : "memory");
+}
+DEVFN void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(caddr), "r"(v),
+               "r"(cbar)
+               : "memory");
 }
 DEVFN void mbar_wait(uint32_t saddr, uint32_t parity) {
   uint32_t ok = 0;
@@ -362,14 +371,12 @@ DEVFN void mbar_wait(uint32_t saddr, uint32_t parity) {
 inline int cluster_rank() { return emu::cur_cta->rank; }
 inline uint32_t cluster_map(uint32_t saddr, int rank) { return ((uint32_t)rank << 24) | (saddr & 0xffffffu); }
 inline void cluster_sync() { emu::cluster_sync(); }
-inline void st_cluster_v4(uint32_t caddr, const uint4& v) { emu::st_cluster(caddr, &v, sizeof v); }
-inline void st_cluster_u8(uint32_t caddr, uint32_t v) {
-  const uint8_t b = (uint8_t)v;
-  emu::st_cluster(caddr, &b, 1);
-}
 inline void mbar_init(uint32_t saddr, int count) { emu::mbar_init(saddr, count); }
 inline void fence_mbar_init() {}
 inline void mbar_arrive(uint32_t caddr) { emu::mbar_arrive(caddr); }
+inline void mbar_arrive_expect_tx(uint32_t saddr, uint32_t bytes) { emu::mbar_arrive(saddr | emu::cluster_self(), bytes); }
+inline void st_async_v4(uint32_t caddr, const uint4& v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
+inline void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
 inline void mbar_wait(uint32_t saddr, uint32_t parity) { emu::mbar_wait(saddr, parity); }
 #endif
 
