@@ -130,7 +130,7 @@ inline std::string make_pool(const char* which, const char* idx_name, const char
 // plan the kernels used: computed on the device, or copied from the inputs). num_parts is the
 // first dimension of the tile_scheduler_metadata result.
 // Head groups 2k and 2k + 1 of one query row attend to the same tokens: with an even number of
-// groups their CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
+// groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
 // DSV41_EXP_NO_PAIR experiment build keeps one CTA per group (timing comparisons).
 inline int32_t pair_groups(int64_t num_groups) {
 #ifdef DSV41_EXP_NO_PAIR
@@ -316,7 +316,6 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->s_q = (int32_t)s_q;
   p->h_pad = (int32_t)h_pad;
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
-  p->pair = pair_groups(p->num_groups);
   return "";
 }
 

@@ -118,11 +118,7 @@ DEVFN void crew_teardown(const C&) {
 // One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
 // shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
 // Bytes one producer warp of a pair stores into its peer per tile: 8 tokens x 1024 B + its mask word.
-#ifdef DSV41_EXP_NO_REMOTE
-constexpr uint32_t kPeerBytesPerWarp = 0;
-#else
 constexpr uint32_t kPeerBytesPerWarp = 8 * kHeadDim * 2 + 4;
-#endif
 template <class C>
 DEVFN void peer_arrive(const C& c, int bar_off, int lane) {
   syncwarp();
@@ -260,9 +256,6 @@ DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, uint32_t rba
   const uint4 v0 = swap ? second : first, v1 = swap ? first : second;
   *reinterpret_cast<uint4*>(kbuf + o0) = v0;
   *reinterpret_cast<uint4*>(kbuf + o1) = v1;
-#ifdef DSV41_EXP_NO_REMOTE  // experiment: pairs skip the stores into the peer (wrong results; timing only)
-  remote = false;
-#endif
   if (remote) {
     st_async_v4(rbuf + (uint32_t)o0, v0, rbar);
     st_async_v4(rbuf + (uint32_t)o1, v1, rbar);
@@ -1053,10 +1046,11 @@ DEVFN void combine_cta(const DecodeParams& p) {
 // One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
 // query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
 // max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
-template <bool kPair>
+// Always one CTA per group: for bf16 rows (no dequantisation) a pair's remote stores cost more than
+// the halved gather saves (measured 8.1 ms paired vs 6.5 ms single, RESULTS.md cuda pair ablation).
 DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const Crew<kPair> crew = crew_setup<kPair>(smem);
+  const Crew<false> crew = crew_setup<false>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;

@@ -73,7 +73,6 @@ struct PrefillParams {
   Pool kv;             // bf16 rows: capacity = s_kv, lengths per query token
   float scale_log2;
   int32_t s_q, h_pad, num_groups;
-  int32_t pair;        // as in DecodeParams
 };
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P

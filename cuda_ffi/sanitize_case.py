@@ -1,4 +1,4 @@
-"""One cuda decode (fp8 main + extra cache, split plan) and one prefill at modest shapes, for
+"""Two cuda decodes (fp8 main + extra cache, split plan; h 64 and h 128, the 2-CTA pair) and one prefill, for
 `compute-sanitizer --tool memcheck python -m cuda_ffi.sanitize_case` (benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ def main() -> int:
     e_out, e_lse = dec.expected()
     assert_close(out, e_out, "decode_out", "sanitizer decode")
     assert_close(lse, e_lse, "decode_lse", "sanitizer decode")
+    # h_q = 128: two head groups run as 2-CTA clusters (st.async into the peer, cluster mbarriers)
+    dec2 = make_decode_case(7, b=3, s_q=2, h_q=128, topk=200, block_size=61, s_kv=400, fmt="fp8_ds_mla",
+                            extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla"))
+    out2, lse2 = jax.block_until_ready(d.sparse_mla_decode(*dec2.args(), **dec2.kwargs(), impl="cuda"))
+    e_out2, e_lse2 = dec2.expected()
+    assert_close(out2, e_out2, "decode_out", "sanitizer decode (pair)")
+    assert_close(lse2, e_lse2, "decode_lse", "sanitizer decode (pair)")
     pre = make_prefill_case(6, s_q=9, h_q=64, topk=256, s_kv=300)
     res = jax.block_until_ready(d.sparse_mla_prefill(*pre.args(), **pre.kwargs(), impl="cuda"))
     for got, want, kind in zip(res, pre.expected(), ("prefill_out", "prefill_max_logits", "prefill_lse")):
