@@ -10,9 +10,13 @@
 // thread counts, and deadlock (a full round without progress). Thread blocks run one after
 // another on each of a few OS threads (blocks of one launch are independent, as on a GPU).
 // Clusters: the CTAs of one cluster run together under one scheduler (their fibers interleave),
-// with shared-memory mbarriers (arrival counts and phases), distributed-shared-memory stores and
-// arrivals addressed as (rank << 24 | offset), and the cluster barrier. Checked: an arrival on an
-// mbarrier that was never initialised, and any remote access to a CTA whose threads all exited.
+// with shared-memory mbarriers (arrival counts, transaction bytes, phases), distributed-shared-
+// memory stores and arrivals addressed as (rank << 24 | offset), and the cluster barrier.
+// st.async stores are held back until somebody waits on their mbarrier (so a reader that does not
+// wait sees stale data). Checked: an mbarrier used before initialisation, more arrivals than its
+// count in one phase, remote access to a CTA whose threads all exited, st.async stores nobody
+// waited for, and, in a cluster with remote traffic, a thread whose last synchronisation was not
+// a cluster barrier (a CTA may not exit while its peer can still write into it).
 #pragma once
 
 #include <ucontext.h>
@@ -79,6 +83,7 @@ struct Fiber {
   int tid = 0;
   bool done = false;
   std::vector<std::pair<float*, std::vector<float>>> wgmma_pending;  // accumulators of wgmmas not yet waited on
+  bool cluster_synced = false;  // the last synchronisation was a cluster barrier
 };
 
 struct Bar {
@@ -116,9 +121,17 @@ struct Cta {
   std::map<uint32_t, MBar> mbars;    // by shared-memory offset
 };
 
+// An st.async store not yet performed: bytes for (rank << 24 | off), completing on mbarrier `bar`.
+struct AsyncStore {
+  uint32_t caddr, bar;
+  std::vector<char> bytes;
+};
+
 struct Cluster {
   std::vector<Cta*> ctas;
   Bar bar;  // barrier.cluster over every thread of every CTA
+  bool remote_traffic = false;
+  std::vector<AsyncStore> pending;
 };
 
 inline thread_local Cta* cur_cta = nullptr;
@@ -141,6 +154,7 @@ inline void yield() {
 
 inline void bar_arrive_impl(int id, int n) {
   Cta* c = cur_cta;
+  cur_fiber->cluster_synced = false;
   // the kernels never synchronise with a wgmma in flight: its operands / accumulators would be racy
   if (!cur_fiber->wgmma_pending.empty()) fail("barrier reached with a wgmma group not waited on");
   if (id < 0 || id >= 16) fail("barrier id out of range");
@@ -179,6 +193,8 @@ inline Cta* cluster_cta(uint32_t caddr) {
   if (!cl || rank >= cl->ctas.size()) fail("shared::cluster address names a CTA outside the cluster");
   Cta* t = cl->ctas[rank];
   if (t->exited) fail("access to the shared memory of a CTA that has exited");
+  cur_fiber->cluster_synced = false;
+  if (t != cur_cta) cl->remote_traffic = true;
   return t;
 }
 
@@ -199,6 +215,7 @@ inline void cluster_sync() {
     std::fill(b.here.begin(), b.here.end(), 0);
   }
   while (b.gen == g) yield();
+  cur_fiber->cluster_synced = true;
 }
 
 inline void mbar_init(uint32_t off, int count) {
@@ -235,13 +252,6 @@ inline void mbar_arrive(uint32_t caddr, uint32_t tx_bytes = 0) {
   yield();
 }
 
-// Returns once the phase with parity `parity` of this CTA's mbarrier at `off` has completed.
-inline void mbar_wait(uint32_t off, uint32_t parity) {
-  MBar& m = mbar_at(cur_cta, off);
-  while ((uint32_t)(m.phase & 1u) == (parity & 1u)) yield();
-  ++cur_cta->progress;
-}
-
 inline void st_cluster(uint32_t caddr, const void* v, size_t n) {
   Cta* t = cluster_cta(caddr);
   const uint32_t off = caddr & 0xffffffu;
@@ -249,13 +259,45 @@ inline void st_cluster(uint32_t caddr, const void* v, size_t n) {
   std::memcpy(t->smem + off, v, n);
 }
 
-// st.async: the store, then complete_tx of its size on mbarrier `cbar` of the destination CTA.
+// Performs the held-back st.async stores that complete on this CTA's mbarrier at `off`.
+inline void flush_async(uint32_t off) {
+  Cluster* cl = cur_cta->cluster;
+  const uint32_t bar = ((uint32_t)cur_cta->rank << 24) | off;
+  auto& q = cl->pending;
+  for (size_t i = 0; i < q.size();) {
+    if (q[i].bar != bar) {
+      ++i;
+      continue;
+    }
+    st_cluster(q[i].caddr, q[i].bytes.data(), q[i].bytes.size());
+    MBar& m = mbar_at(cur_cta, off);
+    m.tx -= (int64_t)q[i].bytes.size();
+    mbar_try_complete(m);
+    q.erase(q.begin() + (std::ptrdiff_t)i);
+  }
+}
+
+// Returns once the phase with parity `parity` of this CTA's mbarrier at `off` has completed.
+inline void mbar_wait(uint32_t off, uint32_t parity) {
+  MBar& m = mbar_at(cur_cta, off);
+  cur_fiber->cluster_synced = false;
+  for (;;) {
+    flush_async(off);
+    if ((uint32_t)(m.phase & 1u) != (parity & 1u)) break;
+    yield();
+  }
+  ++cur_cta->progress;
+}
+
+// st.async: the store and the complete_tx of its size on mbarrier `cbar` of the destination CTA,
+// held back until a thread of that CTA waits on `cbar` (flush_async).
 inline void st_async(uint32_t caddr, const void* v, size_t n, uint32_t cbar) {
   if ((caddr >> 24) != (cbar >> 24)) fail("st.async: the mbarrier must be in the destination CTA");
-  st_cluster(caddr, v, n);
-  MBar& m = mbar_at(cluster_cta(cbar), cbar & 0xffffffu);
-  m.tx -= (int64_t)n;
-  mbar_try_complete(m);
+  Cta* t = cluster_cta(caddr);
+  if ((caddr & 0xffffffu) + n > t->smem_bytes) fail("st.async outside the target CTA's shared memory");
+  mbar_at(t, cbar & 0xffffffu);
+  AsyncStore a{caddr, cbar, std::vector<char>(static_cast<const char*>(v), static_cast<const char*>(v) + n)};
+  cur_cta->cluster->pending.push_back(std::move(a));
 }
 
 // All 32 lanes of the calling warp deposit `size` bytes; once all arrived, each lane runs
@@ -265,6 +307,7 @@ inline void warp_collective(int tag, const void* in, size_t size, F&& read) {
   Cta* c = cur_cta;
   int tid = cur_fiber->tid;
   WarpSlot& w = c->warps[tid >> 5];
+  cur_fiber->cluster_synced = false;
   uint64_t g = w.gen;
   int slot = (int)(g & 1);
   if (w.arrived == 0) w.tag[slot] = tag;
@@ -327,6 +370,7 @@ inline void run_cluster(Cluster& cl) {
       f.tid = i;
       f.done = false;
       f.wgmma_pending.clear();
+      f.cluster_synced = false;
 #if DSV41_EMU_FAST_SWITCH
       f.sp = init_stack(c.stacks[i], c.stack_bytes);
 #else
@@ -343,6 +387,8 @@ inline void run_cluster(Cluster& cl) {
     for (auto& w : c.warps) { w.arrived = 0; w.tag[0] = w.tag[1] = 0; }
   }
   cl.bar = Bar{};
+  cl.remote_traffic = false;
+  cl.pending.clear();
   Cta& lead = *cl.ctas[0];
   size_t alive = order.size();
   while (alive) {
@@ -361,6 +407,11 @@ inline void run_cluster(Cluster& cl) {
 #endif
       cur_fiber = nullptr;
       if (f.done) {
+        if (cl.ctas.size() > 1 && cl.remote_traffic && !f.cluster_synced) {
+          cur_cta = r.c;
+          cur_fiber = &f;
+          fail("a thread of a cluster with remote traffic finished without a final cluster barrier");
+        }
         bool all = true;
         for (auto& g : r.c->fibers) all = all && g.done;
         r.c->exited = all;
@@ -382,6 +433,10 @@ inline void run_cluster(Cluster& cl) {
       }
       std::abort();
     }
+  }
+  if (!cl.pending.empty()) {
+    cur_cta = cl.ctas[cl.pending[0].caddr >> 24];
+    fail("st.async stores that nobody waited for (their mbarrier was never waited on)");
   }
   cur_cta = nullptr;
 }

@@ -220,9 +220,26 @@ def test_emulated_decode_shapes(emu, kw, num_sms):
     _check_decode(make_decode_case(21, **kw), num_sms=num_sms)
 
 
+# An even number of 64-head groups runs decode as 2-CTA clusters (each CTA gathers half of every tile
+# and st.async-stores it into its peer); the emulator runs both CTAs of a cluster together.
+PAIR_CASES = [
+    # fp8 main + fp8 extra cache (page 2), varying lengths, few SMs: split requests, partial tiles
+    (dict(b=3, s_q=2, h_q=128, topk=192, block_size=61, s_kv=300, fmt="fp8_ds_mla", lengths="var",
+          extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla")), 8),
+    # four head groups (two pairs per query row), infinite sinks, invalid indices
+    (dict(b=2, s_q=1, h_q=200, topk=130, block_size=64, fmt="fp8_ds_mla", sink="inf", invalid_frac=0.3), 132),
+]
+
+
+@pytest.mark.parametrize("kw,num_sms", PAIR_CASES)
+def test_emulated_decode_head_group_pairs(emu, kw, num_sms):
+    _check_decode(make_decode_case(41, **kw), num_sms=num_sms)
+
+
 @pytest.mark.parametrize("kw,num_sms", [
     (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
     (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
+    PAIR_CASES[0],
 ])
 def test_emulated_decode_mma_sync_consumers(emu_mma_sync, kw, num_sms):
     # sm_100a's consumer warps (mma.sync + ldmatrix over the same tile layout)
