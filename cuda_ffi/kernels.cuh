@@ -24,11 +24,12 @@
 //   P as f16 to smem (barrier B2).
 //   O += P V: wgmma path, warpgroup th owns dims 256th..+255 of all 64 heads (rows = its S rows, so
 //   alpha stays in registers); mma.sync path, warp w owns dims 64w..64w+63 (alpha through smem).
-// Producer/consumer hand-off uses mbarriers per K buffer (see "crew" below): FULL[b] (producer
-// warps arrive, consumers wait) and EMPTY[b] (consumer warps arrive, producers wait), over one CTA
-// or over the 2-CTA cluster of a head-group pair that splits every tile's gather between its two
-// CTAs. Consumer-only exchanges use one 256-thread named barrier. Both roles of every CTA of a
-// crew walk the same tile sequence, so the arrival counts always balance.
+// Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive, consumers
+// sync) and EMPTY[b] (consumers arrive, producers sync); a decode head-group pair (2-CTA cluster
+// that splits every tile's gather) adds the peer's mbarriers, waited on by producers only (see
+// "crew" below). Consumer-only exchanges use one 256-thread named barrier. Both roles of every CTA
+// of a crew walk the same tile sequence, so the counts always balance (producers drain the last
+// EMPTYs).
 //
 // Fragment layouts (mma.sync m16n8k16, ldmatrix) are written down in prims.cuh.
 // Decode walks the split plan of dsv41_jax.scheduler.plan_decode_splits (see decode_work);
@@ -75,7 +76,7 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // and before arriving at FULL[b] they wait for PFULL[b], so this CTA's consumers see both halves.
 // Tile tc uses buffer tc & 1 and phase (tc >> 1) of the mbarriers. The remote stores are st.async
 // (FlashMLA's choice too): generic st.shared::cluster stores followed by a releasing arrival
-// measured slower than one CTA gathering everything (RESULTS.md, cuda pair ablation).
+// measured slower than one CTA gathering everything (RESULTS.md, "cuda head-group pairs").
 // A compile-time property of the kernel (two instantiations), so a single CTA's code carries no
 // cluster instructions or pair branches.
 template <bool kPair>
