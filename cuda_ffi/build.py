@@ -147,13 +147,16 @@ EMU_SOURCES = ("emu_main.cc", "emu_runtime.h", "kernels.cuh", "prims.cuh", "para
 
 
 def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = False,
-                   consumer: str = "wgmma") -> Path:
+                   consumer: str = "wgmma", defines: tuple[str, ...] = ()) -> Path:
     """Compile the host emulator of the kernels (emu_main.cc) with the C++ compiler; returns its path.
     `consumer` picks the consumer warps emulated: "wgmma" (sm_90a's, libdsv41_emu.so) or
     "mma_sync" (sm_100a's, libdsv41_emu_mma_sync.so). Skipped when the library is newer than all
-    its sources (unless `force`)."""
+    its sources (unless `force`). `defines`: extra preprocessor definitions (the emulator tests'
+    planted bugs); such builds must go to an `out_dir` other than cuda_ffi/lib."""
     if consumer not in CONSUMERS:
         raise ValueError(f"consumer must be one of {CONSUMERS}, got {consumer!r}")
+    if defines and Path(out_dir).resolve() == LIB_DIR.resolve():
+        raise ValueError("build_emulator: builds with `defines` need an out_dir other than cuda_ffi/lib")
     name = EMU_NAME if consumer == "wgmma" else EMU_NAME.replace(".so", f"_{consumer}.so")
     out = out_dir / name
     if not force and out.is_file():
@@ -168,7 +171,7 @@ def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = F
     log: list[str] = []
     t0 = time.time()
     _run([cxx, "-std=c++17", opt, "-fPIC", "-shared", "-DDSV41_EMULATE", f"-DDSV41_WGMMA={int(consumer == 'wgmma')}",
-          "-I", str(HERE), str(HERE / "emu_main.cc"),
+          *[f"-D{d}" for d in defines], "-I", str(HERE), str(HERE / "emu_main.cc"),
           "-o", str(tmp), "-lpthread"], log)
     os.replace(tmp, out)
     print(f"built {out} in {time.time() - t0:.1f} s")

@@ -12,8 +12,10 @@
 // Clusters: the CTAs of one cluster run together under one scheduler (their fibers interleave),
 // with shared-memory mbarriers (arrival counts, transaction bytes, phases), distributed-shared-
 // memory stores and arrivals addressed as (rank << 24 | offset), and the cluster barrier.
-// st.async stores are held back until somebody waits on their mbarrier (so a reader that does not
-// wait sees stale data). Checked: an mbarrier used before initialisation, more arrivals than its
+// Each st.async store lands at once or is held back until somebody waits on its mbarrier (a coin
+// flip per store), and now and then one CTA of a cluster is stalled for a few scheduling rounds
+// (released early when nothing else can progress), so a reader that skips a wait sees stale data
+// and a writer that skips one overwrites data still in use. Checked: an mbarrier used before initialisation, more arrivals than its
 // count in one phase, remote access to a CTA whose threads all exited, st.async stores nobody
 // waited for, and, in a cluster with remote traffic, a thread whose last synchronisation was not
 // a cluster barrier (a CTA may not exit while its peer can still write into it).
@@ -277,11 +279,13 @@ inline void flush_async(uint32_t off) {
   }
 }
 
-// Returns once the phase with parity `parity` of this CTA's mbarrier at `off` has completed.
+// Returns once the phase with parity `parity` of this CTA's mbarrier at `off` has completed. Held-back
+// stores on that barrier land only while the wait would block.
 inline void mbar_wait(uint32_t off, uint32_t parity) {
   MBar& m = mbar_at(cur_cta, off);
   cur_fiber->cluster_synced = false;
   for (;;) {
+    if ((uint32_t)(m.phase & 1u) != (parity & 1u)) break;
     flush_async(off);
     if ((uint32_t)(m.phase & 1u) != (parity & 1u)) break;
     yield();
@@ -290,14 +294,21 @@ inline void mbar_wait(uint32_t off, uint32_t parity) {
 }
 
 // st.async: the store and the complete_tx of its size on mbarrier `cbar` of the destination CTA,
-// held back until a thread of that CTA waits on `cbar` (flush_async).
+// now or (coin flip) once a thread of that CTA waits on `cbar` (flush_async).
 inline void st_async(uint32_t caddr, const void* v, size_t n, uint32_t cbar) {
   if ((caddr >> 24) != (cbar >> 24)) fail("st.async: the mbarrier must be in the destination CTA");
   Cta* t = cluster_cta(caddr);
   if ((caddr & 0xffffffu) + n > t->smem_bytes) fail("st.async outside the target CTA's shared memory");
-  mbar_at(t, cbar & 0xffffffu);
+  MBar& m = mbar_at(t, cbar & 0xffffffu);
+  Cluster* cl = cur_cta->cluster;
+  if (cl->ctas[0]->rng() & 1u) {
+    st_cluster(caddr, v, n);
+    m.tx -= (int64_t)n;
+    mbar_try_complete(m);
+    return;
+  }
   AsyncStore a{caddr, cbar, std::vector<char>(static_cast<const char*>(v), static_cast<const char*>(v) + n)};
-  cur_cta->cluster->pending.push_back(std::move(a));
+  cl->pending.push_back(std::move(a));
 }
 
 // All 32 lanes of the calling warp deposit `size` bytes; once all arrived, each lane runs
@@ -391,13 +402,19 @@ inline void run_cluster(Cluster& cl) {
   cl.pending.clear();
   Cta& lead = *cl.ctas[0];
   size_t alive = order.size();
+  Cta* stalled = nullptr;  // skew: a CTA left out for `stall_left` rounds
+  int stall_left = 0;
   while (alive) {
     uint64_t before = 0;
     for (Cta* c : cl.ctas) before += c->progress;
+    if (cl.ctas.size() > 1 && !stalled && lead.rng() % 8 == 0) {
+      stalled = cl.ctas[lead.rng() % cl.ctas.size()];
+      stall_left = 1 + (int)(lead.rng() % 16);
+    }
     std::shuffle(order.begin(), order.end(), lead.rng);
     for (const Ref& r : order) {
       Fiber& f = r.c->fibers[r.i];
-      if (f.done) continue;
+      if (f.done || r.c == stalled) continue;
       cur_cta = r.c;
       cur_fiber = &f;
 #if DSV41_EMU_FAST_SWITCH
@@ -421,6 +438,10 @@ inline void run_cluster(Cluster& cl) {
     uint64_t after = 0;
     for (const Ref& r : order) alive += r.c->fibers[r.i].done ? 0 : 1;
     for (Cta* c : cl.ctas) after += c->progress;
+    if (stalled && (after == before || --stall_left <= 0)) {  // never let the skew look like a deadlock
+      stalled = nullptr;
+      continue;
+    }
     if (alive && after == before) {
       for (Cta* c : cl.ctas) {
         std::fprintf(stderr, "emu: deadlock in block %lld; barrier states:", (long long)c->block);

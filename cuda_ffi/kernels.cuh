@@ -46,6 +46,12 @@
 #include "params.h"
 #include "prims.cuh"
 
+// Planted bugs for the emulator's own tests (tests/test_cuda_ffi.py builds emulator variants with
+// -DDSV41_TEST_PLANT=N): 1 skips the PFULL wait, 2 the PEMPTY wait, 3 the final cluster barrier.
+#ifndef DSV41_TEST_PLANT
+#define DSV41_TEST_PLANT 0
+#endif
+
 namespace dsv41 {
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -113,13 +119,17 @@ DEVFN Crew<kPair> crew_setup(char* smem) {
 // its shared memory or arrive on its barriers.
 template <class C>
 DEVFN void crew_teardown(const C&) {
-  if constexpr (C::ncta == 2) cluster_sync();
+  if constexpr (C::ncta == 2 && DSV41_TEST_PLANT != 3) cluster_sync();
 }
 
 // One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
 // shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
-// Bytes one producer warp of a pair stores into its peer per tile: 8 tokens x 1024 B + its mask word.
-constexpr uint32_t kPeerBytesPerWarp = 8 * kHeadDim * 2 + 4;
+// Tokens per tile one producer warp of a pair gathers (one batch of fill_tile), and the bytes it
+// stores into its peer per tile: those tokens' f16 rows + its mask word (fill_tile's st.async).
+constexpr int kPairTokensPerWarp = kTileTokens / 2 / kProducerWarps;
+static_assert(kPairTokensPerWarp == 8, "fill_tile sends one 8-token batch (one mask word) per warp and tile");
+constexpr uint32_t kPeerBytesPerWarp = kPairTokensPerWarp * kHeadDim * 2 + 4;
+
 template <class C>
 DEVFN void peer_arrive(const C& c, int bar_off, int lane) {
   syncwarp();
@@ -132,7 +142,8 @@ struct Share {
 };
 template <class C>
 DEVFN Share producer_share(const C& c, int pw) {
-  return C::ncta == 2 ? Share{32 * c.rank + 8 * pw, 8} : Share{16 * pw, 16};
+  return C::ncta == 2 ? Share{kTileTokens / 2 * c.rank + kPairTokensPerWarp * pw, kPairTokensPerWarp}
+                      : Share{16 * pw, 16};
 }
 
 // ============================================================================== producer
@@ -372,12 +383,12 @@ DEVFN void produce_tiles(char* smem, const C& crew, int pw, int lane, Next&& nex
     const int buf = tc & 1;
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
-      if (pair) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
+      if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
     fill_tile(smem, crew, buf, t0, a0, sh, lane);
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
-      mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
+      if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
     }
     bar_arrive(kBarFull0 + buf, kThreads);
     t0 = t1;
@@ -458,7 +469,7 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
                         float (&alpha)[2]) {
   const int g = lane >> 2, t = lane & 3, rq = w & 3, th = w >> 2;
   float* rmax = reinterpret_cast<float*>(smem + kSmemRowMax);
-  // tokens 32th..32th+31: the 16-bit masks of producer warps 2th (low) and 2th+1 (high)
+  // tokens 32th..32th+31: mask words 4th..4th+3 (8 tokens each)
   const uint4 vw = reinterpret_cast<const uint4*>(smem + kSmemValid)[buf * 2 + th];
   const uint32_t vm = vw.x | (vw.y << 8) | (vw.z << 16) | (vw.w << 24);
   const float ninf = -finf();

@@ -210,7 +210,7 @@ def test_emulated_decode_grid(emu, name):
 @pytest.mark.parametrize("kw,num_sms", [
     # few parts: each part walks several requests (segments, Q reloads, pipeline across them) and splits some
     (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
-    # two head groups (h=80 -> 128 padded), topk not a multiple of 64, one CTA per request
+    # two head groups (h=80 -> 128 padded: one 2-CTA pair), topk not a multiple of 64, the pair walks both requests
     (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
     # main + extra cache, many blocks per request, many splits
     (dict(b=3, s_q=1, h_q=8, topk=128, block_size=64, fmt="fp8_ds_mla",
@@ -234,6 +234,63 @@ PAIR_CASES = [
 @pytest.mark.parametrize("kw,num_sms", PAIR_CASES)
 def test_emulated_decode_head_group_pairs(emu, kw, num_sms):
     _check_decode(make_decode_case(41, **kw), num_sms=num_sms)
+
+
+# Edge cases of the reference grid, run as pairs (h_q = 128: two head groups).
+PAIR_GRID_IDS = ["fp8_zero_len", "fp8_all_invalid_row", "bf16_extra_fp8", "fp8_skv_lt_topk"]
+
+
+@pytest.mark.parametrize("name", PAIR_GRID_IDS)
+def test_emulated_decode_grid_as_pairs(emu, name):
+    kw = dict(dict(DECODE_GRID)[name], h_q=128)
+    _check_decode(make_decode_case(300 + PAIR_GRID_IDS.index(name), **kw), num_sms=16)
+
+
+def test_emulated_pair_decode_is_deterministic(emu):
+    # other scheduling seeds, st.async landing orders and CTA skews must give the same bits
+    from cuda_ffi.emulate import decode_emulated
+
+    call = _decode_call(make_decode_case(42, b=2, s_q=2, h_q=128, topk=160, block_size=61, s_kv=300,
+                                         fmt="fp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")))
+    a = decode_emulated(call, num_sms=8, seed=1)
+    b = decode_emulated(call, num_sms=8, seed=9, workers=1)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+_PLANT_SCRIPT = '''
+import sys
+import cuda_ffi.emulate as E
+E.load(path=sys.argv[1])
+from tests.attention_cases import make_decode_case
+from tests.test_cuda_ffi import _decode_call
+case = make_decode_case(43, b=2, s_q=2, h_q=128, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="full")
+for seed in (1, 2, 3):
+    case.check(*E.decode_emulated(_decode_call(case), num_sms=4, seed=seed), "planted")
+print("PLANT-OK")
+'''
+
+
+@pytest.mark.parametrize("plant,what", [(0, None), (1, "PFULL wait"), (2, "PEMPTY wait"), (3, "final cluster barrier")])
+def test_emulator_catches_planted_pair_bugs(plant, what, tmp_path):
+    # The emulator's cluster model must make each missing synchronisation of the pair protocol visible
+    # (kernels.cuh DSV41_TEST_PLANT); plant 0 is the unmodified kernel through the same script.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    lib = cbuild.build_emulator(out_dir=tmp_path, defines=(f"DSV41_TEST_PLANT={plant}",))
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _PLANT_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    if plant == 0:
+        assert r.returncode == 0 and "PLANT-OK" in out, out[-3000:]
+    else:
+        assert r.returncode != 0 and "PLANT-OK" not in out, f"the emulator missed a removed {what}"
+        assert "emu:" in out or "AssertionError" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("kw,num_sms", [
