@@ -389,6 +389,9 @@ DEVFN void produce_tiles(char* smem, const C& crew, int pw, int lane, Next&& nex
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
+#ifdef DSV41_EXP_PAIR_PRODUCER_FENCE  // experiment (not measured yet): one proxy fence here, none in await_tile
+      fence_proxy_async();
+#endif
     }
     bar_arrive(kBarFull0 + buf, kThreads);
     t0 = t1;
@@ -407,7 +410,9 @@ DEVFN void await_tile(const C&, int tc) {
   bar_sync(kBarFull0 + (tc & 1), kThreads);
   // pairs: this thread's view of the peer's stores (observed through the producers' PFULL wait),
   // for its wgmma operand reads
+#ifndef DSV41_EXP_PAIR_PRODUCER_FENCE
   if constexpr (C::ncta == 2) fence_proxy_async_cluster();
+#endif
 }
 template <class C>
 DEVFN void release_tile(const C& crew, int tc, int lane) {
