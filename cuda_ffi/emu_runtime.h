@@ -154,6 +154,19 @@ inline void yield() {
 #endif
 }
 
+// Arrival of slot `who` (of `slots`) at `b`; the n-th arrival completes the phase.
+inline void bar_count(Bar& b, int n, int who, int slots) {
+  if ((int)b.here.size() != slots) b.here.assign(slots, 0);
+  if (b.here[who]) fail("thread arrived twice at one barrier phase");
+  b.here[who] = 1;
+  ++cur_cta->progress;
+  if (++b.arrived == n) {
+    b.arrived = 0;
+    ++b.gen;
+    std::fill(b.here.begin(), b.here.end(), 0);
+  }
+}
+
 inline void bar_arrive_impl(int id, int n) {
   Cta* c = cur_cta;
   cur_fiber->cluster_synced = false;
@@ -162,18 +175,9 @@ inline void bar_arrive_impl(int id, int n) {
   if (id < 0 || id >= 16) fail("barrier id out of range");
   if (n <= 0 || n % 32 || n > c->nthreads) fail("barrier thread count must be a positive multiple of 32 <= block size");
   Bar& b = c->bars[id];
-  if ((int)b.here.size() != c->nthreads) b.here.assign(c->nthreads, 0);
   if (b.arrived == 0) b.expected = n;
   else if (b.expected != n) fail("barrier used with two different thread counts in one phase");
-  if (b.here[cur_fiber->tid]) fail("thread arrived twice at one barrier phase");
-  b.here[cur_fiber->tid] = 1;
-  ++b.arrived;
-  ++c->progress;
-  if (b.arrived == n) {
-    b.arrived = 0;
-    ++b.gen;
-    std::fill(b.here.begin(), b.here.end(), 0);
-  }
+  bar_count(b, n, cur_fiber->tid, c->nthreads);
 }
 
 inline void bar_arrive(int id, int n) {
@@ -205,17 +209,8 @@ inline void cluster_sync() {
   if (!cur_fiber->wgmma_pending.empty()) fail("cluster barrier reached with a wgmma group not waited on");
   const int n = (int)cl->ctas.size() * cur_cta->nthreads;
   Bar& b = cl->bar;
-  const int gtid = cur_cta->rank * cur_cta->nthreads + cur_fiber->tid;
-  if ((int)b.here.size() != n) b.here.assign(n, 0);
-  if (b.here[gtid]) fail("thread arrived twice at one cluster barrier phase");
-  b.here[gtid] = 1;
   const uint64_t g = b.gen;
-  ++cur_cta->progress;
-  if (++b.arrived == n) {
-    b.arrived = 0;
-    ++b.gen;
-    std::fill(b.here.begin(), b.here.end(), 0);
-  }
+  bar_count(b, n, cur_cta->rank * cur_cta->nthreads + cur_fiber->tid, n);
   while (b.gen == g) yield();
   cur_fiber->cluster_synced = true;
 }
@@ -261,20 +256,23 @@ inline void st_cluster(uint32_t caddr, const void* v, size_t n) {
   std::memcpy(t->smem + off, v, n);
 }
 
+// An st.async store taking effect: the bytes, then complete_tx of their size on mbarrier `m`.
+inline void land_async(uint32_t caddr, const void* v, size_t n, MBar& m) {
+  st_cluster(caddr, v, n);
+  m.tx -= (int64_t)n;
+  mbar_try_complete(m);
+}
+
 // Performs the held-back st.async stores that complete on this CTA's mbarrier at `off`.
 inline void flush_async(uint32_t off) {
-  Cluster* cl = cur_cta->cluster;
-  const uint32_t bar = ((uint32_t)cur_cta->rank << 24) | off;
-  auto& q = cl->pending;
+  const uint32_t bar = cluster_self() | off;
+  auto& q = cur_cta->cluster->pending;
   for (size_t i = 0; i < q.size();) {
     if (q[i].bar != bar) {
       ++i;
       continue;
     }
-    st_cluster(q[i].caddr, q[i].bytes.data(), q[i].bytes.size());
-    MBar& m = mbar_at(cur_cta, off);
-    m.tx -= (int64_t)q[i].bytes.size();
-    mbar_try_complete(m);
+    land_async(q[i].caddr, q[i].bytes.data(), q[i].bytes.size(), mbar_at(cur_cta, off));
     q.erase(q.begin() + (std::ptrdiff_t)i);
   }
 }
@@ -284,8 +282,7 @@ inline void flush_async(uint32_t off) {
 inline void mbar_wait(uint32_t off, uint32_t parity) {
   MBar& m = mbar_at(cur_cta, off);
   cur_fiber->cluster_synced = false;
-  for (;;) {
-    if ((uint32_t)(m.phase & 1u) != (parity & 1u)) break;
+  while ((uint32_t)(m.phase & 1u) == (parity & 1u)) {
     flush_async(off);
     if ((uint32_t)(m.phase & 1u) != (parity & 1u)) break;
     yield();
@@ -302,9 +299,7 @@ inline void st_async(uint32_t caddr, const void* v, size_t n, uint32_t cbar) {
   MBar& m = mbar_at(t, cbar & 0xffffffu);
   Cluster* cl = cur_cta->cluster;
   if (cl->ctas[0]->rng() & 1u) {
-    st_cluster(caddr, v, n);
-    m.tx -= (int64_t)n;
-    mbar_try_complete(m);
+    land_async(caddr, v, n, m);
     return;
   }
   AsyncStore a{caddr, cbar, std::vector<char>(static_cast<const char*>(v), static_cast<const char*>(v) + n)};

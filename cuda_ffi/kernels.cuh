@@ -122,14 +122,14 @@ DEVFN void crew_teardown(const C&) {
   if constexpr (C::ncta == 2 && DSV41_TEST_PLANT != 3) cluster_sync();
 }
 
-// One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
-// shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
 // Tokens per tile one producer warp of a pair gathers (one batch of fill_tile), and the bytes it
 // stores into its peer per tile: those tokens' f16 rows + its mask word (fill_tile's st.async).
 constexpr int kPairTokensPerWarp = kTileTokens / 2 / kProducerWarps;
 static_assert(kPairTokensPerWarp == 8, "fill_tile sends one 8-token batch (one mask word) per warp and tile");
 constexpr uint32_t kPeerBytesPerWarp = kPairTokensPerWarp * kHeadDim * 2 + 4;
 
+// One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
+// shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
 template <class C>
 DEVFN void peer_arrive(const C& c, int bar_off, int lane) {
   syncwarp();

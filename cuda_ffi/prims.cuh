@@ -233,19 +233,28 @@ DEVFN uint32_t pack_f16x2(float lo, float hi) {
 // Two packed bf16 -> two packed f16 (exact inside f16's range).
 DEVFN uint32_t bf16x2_to_f16x2(uint32_t v) { return pack_f16x2(bf16_lo(v), bf16_hi(v)); }
 
+DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes);
+
+// Two e4m3 in one 16-bit word -> packed f16x2 (exact; the low byte is the first element).
+DEVFN uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+#if DSV41_DEVICE
+  uint32_t h2;
+  unsigned short in = (unsigned short)(two_bytes & 0xffffu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  return h2;
+#else
+  const float2 f = e4m3x2_to_f32x2(two_bytes);
+  return pack_f16x2(f.x, f.y);
+#endif
+}
 // Two e4m3 (OCP fp8, finite-only "fn" variant) in one 16-bit word -> two f32; the low byte is
 // the first element. Exact: e4m3 values are representable in f16 and f32.
 DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes) {
   float2 r;
 #if DSV41_DEVICE
-  uint32_t h2;
-  unsigned short in = (unsigned short)(two_bytes & 0xffffu);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
-  unsigned short lo = (unsigned short)(h2 & 0xffffu), hi = (unsigned short)(h2 >> 16);
-  float flo, fhi;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(flo) : "h"(lo));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(fhi) : "h"(hi));
-  r.x = flo; r.y = fhi;
+  const uint32_t h2 = e4m3x2_to_f16x2(two_bytes);
+  r.x = f16_lo(h2);
+  r.y = f16_hi(h2);
 #else
   auto dec = [](uint32_t b) -> float {
     uint32_t s = (b >> 7) & 1, e = (b >> 3) & 15, m = b & 7;
@@ -261,18 +270,6 @@ DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes) {
   return r;
 }
 
-// Two e4m3 in one 16-bit word -> packed f16x2 (exact; the low byte is the first element).
-DEVFN uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
-#if DSV41_DEVICE
-  uint32_t h2;
-  unsigned short in = (unsigned short)(two_bytes & 0xffffu);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
-  return h2;
-#else
-  const float2 f = e4m3x2_to_f32x2(two_bytes);
-  return pack_f16x2(f.x, f.y);
-#endif
-}
 // Packed f16x2 product, round to nearest even (mul.rn.f16x2).
 DEVFN uint32_t hmul2(uint32_t a, uint32_t b) {
 #if DSV41_DEVICE

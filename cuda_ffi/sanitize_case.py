@@ -13,19 +13,19 @@ from tests.attention_cases import assert_close, make_decode_case, make_prefill_c
 
 
 def main() -> int:
-    dec = make_decode_case(5, b=6, s_q=2, h_q=64, topk=256, block_size=61, s_kv=600, fmt="fp8_ds_mla",
-                           extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla"))
-    out, lse = jax.block_until_ready(d.sparse_mla_decode(*dec.args(), **dec.kwargs(), impl="cuda"))
-    e_out, e_lse = dec.expected()
-    assert_close(out, e_out, "decode_out", "sanitizer decode")
-    assert_close(lse, e_lse, "decode_lse", "sanitizer decode")
-    # h_q = 128: two head groups run as 2-CTA clusters (st.async into the peer, cluster mbarriers)
-    dec2 = make_decode_case(7, b=3, s_q=2, h_q=128, topk=200, block_size=61, s_kv=400, fmt="fp8_ds_mla",
-                            extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla"))
-    out2, lse2 = jax.block_until_ready(d.sparse_mla_decode(*dec2.args(), **dec2.kwargs(), impl="cuda"))
-    e_out2, e_lse2 = dec2.expected()
-    assert_close(out2, e_out2, "decode_out", "sanitizer decode (pair)")
-    assert_close(lse2, e_lse2, "decode_lse", "sanitizer decode (pair)")
+    extra = dict(topk=128, block_size=2, fmt="fp8_ds_mla")
+    decodes = [
+        ("sanitizer decode", make_decode_case(5, b=6, s_q=2, h_q=64, topk=256, block_size=61, s_kv=600,
+                                              fmt="fp8_ds_mla", extra=extra)),
+        # h_q = 128: two head groups run as 2-CTA clusters (st.async into the peer, cluster mbarriers)
+        ("sanitizer decode (pair)", make_decode_case(7, b=3, s_q=2, h_q=128, topk=200, block_size=61, s_kv=400,
+                                                     fmt="fp8_ds_mla", extra=extra)),
+    ]
+    for what, dec in decodes:
+        out, lse = jax.block_until_ready(d.sparse_mla_decode(*dec.args(), **dec.kwargs(), impl="cuda"))
+        e_out, e_lse = dec.expected()
+        assert_close(out, e_out, "decode_out", what)
+        assert_close(lse, e_lse, "decode_lse", what)
     pre = make_prefill_case(6, s_q=9, h_q=64, topk=256, s_kv=300)
     res = jax.block_until_ready(d.sparse_mla_prefill(*pre.args(), **pre.kwargs(), impl="cuda"))
     for got, want, kind in zip(res, pre.expected(), ("prefill_out", "prefill_max_logits", "prefill_lse")):

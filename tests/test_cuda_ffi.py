@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -246,18 +249,6 @@ def test_emulated_decode_grid_as_pairs(emu, name):
     _check_decode(make_decode_case(300 + PAIR_GRID_IDS.index(name), **kw), num_sms=16)
 
 
-def test_emulated_pair_decode_is_deterministic(emu):
-    # other scheduling seeds, st.async landing orders and CTA skews must give the same bits
-    from cuda_ffi.emulate import decode_emulated
-
-    call = _decode_call(make_decode_case(42, b=2, s_q=2, h_q=128, topk=160, block_size=61, s_kv=300,
-                                         fmt="fp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")))
-    a = decode_emulated(call, num_sms=8, seed=1)
-    b = decode_emulated(call, num_sms=8, seed=9, workers=1)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-
-
 _PLANT_SCRIPT = '''
 import sys
 import cuda_ffi.emulate as E
@@ -275,10 +266,6 @@ print("PLANT-OK")
 def test_emulator_catches_planted_pair_bugs(plant, what, tmp_path):
     # The emulator's cluster model must make each missing synchronisation of the pair protocol visible
     # (kernels.cuh DSV41_TEST_PLANT); plant 0 is the unmodified kernel through the same script.
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if cbuild.find_cxx() is None:
         pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
     lib = cbuild.build_emulator(out_dir=tmp_path, defines=(f"DSV41_TEST_PLANT={plant}",))
@@ -340,13 +327,18 @@ def test_emulated_decode_lengths_past_topk_and_poison(emu):
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
-def test_emulated_decode_is_deterministic(emu):
+@pytest.mark.parametrize("seed,kw,num_sms,other_seed", [
+    (23, dict(b=3, s_q=2, h_q=16, topk=192, fmt="fp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="bf16")), 16, 7),
+    # a head-group pair: other st.async landing orders and CTA skews too
+    (42, dict(b=2, s_q=2, h_q=128, topk=160, block_size=61, s_kv=300, fmt="fp8_ds_mla",
+              extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")), 8, 9),
+], ids=["single_cta", "pair"])
+def test_emulated_decode_is_deterministic(emu, seed, kw, num_sms, other_seed):
     from cuda_ffi.emulate import decode_emulated
 
-    case = make_decode_case(23, b=3, s_q=2, h_q=16, topk=192, fmt="fp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="bf16"))
-    call = _decode_call(case)
-    a = decode_emulated(call, num_sms=16, seed=1)
-    b = decode_emulated(call, num_sms=16, seed=7, workers=1)
+    call = _decode_call(make_decode_case(seed, **kw))
+    a = decode_emulated(call, num_sms=num_sms, seed=1)
+    b = decode_emulated(call, num_sms=num_sms, seed=other_seed, workers=1)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
