@@ -16,7 +16,11 @@
 #                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither, decode
 #                 without head-group pairs, the pair's proxy fence on the producer side) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
-#                 picks variants (default: "default no_gather no_mma neither mma_sync")
+#                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
+#                 the cases (default: decode,prefill)
+#   ncu           Nsight Compute (--clock-control none) over one call of the decode and the prefill
+#                 kernels ($NCU_CASES, default decode_headline_h128,prefill_h128_topk2048): a report
+#                 per case, its details page and its per-instruction source page (SASS + CUDA lines)
 # Logs, JSON, the roofline PNG and benchmark rows for benchmarks/RESULTS.md go to $OUT (default gpu_out/).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +58,17 @@ for s in "${stages[@]}"; do
         echo "--- variant $name ($flags)"
         $PY -m cuda_ffi.build --archs 90a --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" $flags > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
         DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
-          --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill)" | tee -a "$OUT/ablation.log"
+          --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill)" | tee -a "$OUT/ablation.log"
+      done ;;
+    ncu)
+      for c in $(echo "${NCU_CASES:-decode_headline_h128,prefill_h128_topk2048}" | tr , ' '); do
+        run timeout 400 ncu --clock-control none --set full --import-source yes -k regex:"dsv41_(decode|prefill)_kernel" \
+          --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_$c" $PY -m benchmarks.sparse_mla --cases "$c" --impls cuda \
+          --sets 1 --iterations 2 --timer wall --out "$OUT/ncu_bench_$c" > "$OUT/ncu_$c.log" 2>&1
+        tail -3 "$OUT/ncu_$c.log"
+        ncu -i "$OUT/ncu_$c.ncu-rep" --page details > "$OUT/ncu_${c}_details.txt" 2>&1
+        ncu -i "$OUT/ncu_$c.ncu-rep" --page source --csv --print-source sass,cuda > "$OUT/ncu_${c}_source.csv" 2>&1
+        grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Issued|Eligible|Registers|Bank" "$OUT/ncu_${c}_details.txt" | head -60
       done ;;
     *) echo "unknown stage $s"; status=2 ;;
   esac

@@ -65,11 +65,12 @@ QUICK = {"decode_headline_h128", "decode_v4_h128_b128", "prefill_h128_topk2048"}
 
 
 
-def _timer():
-    """Returns time_fn(f, args, iterations) -> list of ms per call, and the method's name."""
+def _timer(method: str = "auto"):
+    """Returns time_fn(f, args, iterations) -> list of ms per call, and the method's name.
+    method "wall" skips CUPTI (needed under Nsight Compute, which owns the profiling interface)."""
     import jax
 
-    if jax.default_backend() == "gpu":
+    if method == "auto" and jax.default_backend() == "gpu":
         try:
             from jax.experimental.mosaic.gpu import profiler
 
@@ -206,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--record", default=None, help="append rows to this markdown file (benchmarks/RESULTS.md)")
+    ap.add_argument("--timer", choices=("auto", "wall"), default="auto",
+                    help="auto: CUPTI on GPUs; wall: wall clock (under ncu)")
     args = ap.parse_args(argv)
 
     import jax
@@ -219,7 +222,7 @@ def main(argv=None) -> int:
     if args.quick:
         cases = [c for c in cases if c.name in QUICK]
     impls = args.impls.split(",") if args.impls else sorted(set(d.attention.decode_impls()) | set(d.attention.prefill_impls()))
-    timer, method = _timer()
+    timer, method = _timer(args.timer)
     dev = jax.devices()[0]
     device = getattr(dev, "device_kind", dev.platform)
     print(f"# device: {device}; timing: {method}; jax {jax.__version__}; commit {git_commit()}")
