@@ -250,16 +250,8 @@ DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, const Share& sh, i
   }
 }
 
-// Producer warp pw fills rows sh.base.. of K buffer `buf` (its own and, in a pair, its peer's) with
-// its sh.ntok tokens of tile `t` (addresses `a` from tile_addr) and their bits of the validity
-// mask, in batches of 8 tokens whose loads are all issued before the first is used. Lane l owns dims 16l..16l+15: for
-// fp8_ds_mla lanes 0..27 read the 16 e4m3 bytes of those dims and their UE8M0 byte (one per 64
-// dims), lanes 28..31 the 32 bytes of their bf16 RoPE dims; for bf16 every lane reads 32 bytes.
-// Each token becomes two 16-byte f16 chunks per lane. (Measured alternatives, cuda_notes.md: one
-// batch of 16 fp8 tokens with the RoPE read as 4 bytes per lane, and a continuous 8-deep token
-// ring across tiles, were both slower on the H200.)
-// `rbuf`: cluster address of the peer's copy of the buffer (written when `remote`, by st.async
-// completing on the peer's mbarrier `rbar`).
+// Two 16-byte f16 chunks of row `row` (lane l: chunks 2l, 2l + 1) into K buffer `kbuf` and, when
+// `remote`, by st.async into the peer's copy `rbuf`, completing on the peer's mbarrier `rbar`.
 DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int row, int lane,
                             const uint4& first, const uint4& second) {
   // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
@@ -286,77 +278,91 @@ DEVFN void store_valid_word(char* smem, bool remote, uint32_t peer, uint32_t rba
   if (remote) st_async_u32(peer + (uint32_t)off, bits & 0xffu, rbar);
 }
 
+// One batch of 8 tokens of a warp's share, in registers (loads issued, not yet used). fp8_ds_mla:
+// lanes 0..27 hold 16 e4m3 bytes (lo) and their UE8M0 byte (sc), lanes 28..31 32 bytes of bf16
+// RoPE (lo, hi); bf16: 32 bytes per lane (lo, hi). Invalid tokens are zero.
+struct Batch {
+  uint4 lo[8], hi[8];
+  uint32_t sc[8];
+};
+
+DEVFN void load_batch(const TileSrc& t, const TileAddr& a, int jb, int lane, Batch& bt) {
+  const uint8_t* base = t.pool->base;
+#ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
+  const uint32_t lmask = 0u;
+#else
+  const uint32_t lmask = a.vmask;  // 0 when !t.ok
+#endif
+  const bool fp8 = t.pool->fmt == kFmtFp8DsMla;  // warp-uniform
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const int64_t d = shfl_idx_i64(a.doff, jb + jj);
+    const int64_t so = fp8 ? shfl_idx_i64(a.soff, jb + jj) : 0;
+    bt.lo[jj] = make_u4(0, 0, 0, 0);
+    bt.hi[jj] = make_u4(0, 0, 0, 0);
+    bt.sc[jj] = 0;
+    if ((lmask >> (jb + jj)) & 1u) {  // warp-uniform
+      if (!fp8) {
+        bt.lo[jj] = ldg_nc_v4(base + d + 32 * lane);
+        bt.hi[jj] = ldg_nc_v4(base + d + 32 * lane + 16);
+      } else if (lane < 28) {
+        bt.lo[jj] = ldg_nc_v4(base + d + 16 * lane);
+        bt.sc[jj] = ldg_nc_u8(base + so + (lane >> 2));
+      } else {
+        const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
+        bt.lo[jj] = ldg_nc_v4(rp);
+        bt.hi[jj] = ldg_nc_v4(rp + 16);
+      }
+    }
+  }
+}
+
+// Dequantise / convert a loaded batch (tokens sh.base + jb ..) and store it with its mask word.
 template <class C>
-DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
-                     int lane) {
-  const Pool& pool = *t.pool;
-  const uint32_t vmask = a.vmask;
+DEVFN void store_batch(char* smem, const C& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
+                       int jb, int lane, const Batch& bt) {
   char* kbuf = smem + kSmemK + buf * kTileBytes;
   constexpr bool remote = C::ncta == 2;
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
-  const uint8_t* base = pool.base;
-#ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
-  const uint32_t lmask = 0u;
-#else
-  const uint32_t lmask = vmask;
-#endif
-  if (pool.fmt == kFmtFp8DsMla) {  // warp-uniform
-#pragma unroll 1
-    for (int jb = 0; jb < sh.ntok; jb += 8) {
-      if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + jb) >> 3, vmask >> jb);
-      uint4 lo[8], hi[8];
-      uint32_t sc[8];
+  if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + jb) >> 3, a.vmask >> jb);
+  if (t.pool->fmt == kFmtFp8DsMla) {  // warp-uniform
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int64_t d = shfl_idx_i64(a.doff, jb + jj);
-        const int64_t so = shfl_idx_i64(a.soff, jb + jj);
-        lo[jj] = make_u4(0, 0, 0, 0);
-        hi[jj] = make_u4(0, 0, 0, 0);
-        sc[jj] = 0;
-        if ((lmask >> (jb + jj)) & 1u) {  // warp-uniform
-          if (lane < 28) {
-            lo[jj] = ldg_nc_v4(base + d + 16 * lane);
-            sc[jj] = ldg_nc_u8(base + so + (lane >> 2));
-          } else {
-            const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
-            lo[jj] = ldg_nc_v4(rp);
-            hi[jj] = ldg_nc_v4(rp + 16);
-          }
-        }
+    for (int jj = 0; jj < 8; ++jj) {
+      uint4 first, second;
+      if (lane < 28) {
+        dequant16(bt.lo[jj], bt.sc[jj], first, second);
+      } else {
+        first = bf16x8_to_f16x8(bt.lo[jj]);
+        second = bf16x8_to_f16x8(bt.hi[jj]);
       }
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        uint4 first, second;
-        if (lane < 28) {
-          dequant16(lo[jj], sc[jj], first, second);
-        } else {
-          first = bf16x8_to_f16x8(lo[jj]);
-          second = bf16x8_to_f16x8(hi[jj]);
-        }
-        store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, first, second);
-      }
+      store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, first, second);
     }
   } else {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+      store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, bf16x8_to_f16x8(bt.lo[jj]),
+                       bf16x8_to_f16x8(bt.hi[jj]));
+  }
+}
+
+// Producer warp pw fills rows sh.base.. of K buffer `buf` (its own and, in a pair, its peer's) with
+// its sh.ntok tokens of tile `t` (addresses `a` from tile_addr) and their bits of the validity
+// mask, in batches of 8 tokens whose loads are all issued before the first is used. The first
+// batch (`first`) was loaded by the caller before it waited for the buffer, so its latency overlaps
+// that wait. Lane l owns dims 16l..16l+15 (Batch); each token becomes two 16-byte f16 chunks per
+// lane. (Measured alternatives, cuda_notes.md: one batch of 16 fp8 tokens with the RoPE read as 4
+// bytes per lane, and a continuous 8-deep token ring across tiles, were both slower on the H200.)
+template <class C>
+DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
+                     int lane, const Batch& first) {
+  store_batch(smem, crew, buf, t, a, sh, 0, lane, first);
 #pragma unroll 1
-    for (int jb = 0; jb < sh.ntok; jb += 8) {
-      if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + jb) >> 3, vmask >> jb);
-      uint4 lo[8], hi[8];
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int64_t d = shfl_idx_i64(a.doff, jb + jj);
-        lo[jj] = make_u4(0, 0, 0, 0);
-        hi[jj] = make_u4(0, 0, 0, 0);
-        if ((lmask >> (jb + jj)) & 1u) {  // warp-uniform
-          lo[jj] = ldg_nc_v4(base + d + 32 * lane);
-          hi[jj] = ldg_nc_v4(base + d + 32 * lane + 16);
-        }
-      }
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, bf16x8_to_f16x8(lo[jj]), bf16x8_to_f16x8(hi[jj]));
-    }
+  for (int jb = 8; jb < sh.ntok; jb += 8) {
+    Batch bt;
+    load_batch(t, a, jb, lane, bt);
+    store_batch(smem, crew, buf, t, a, sh, jb, lane, bt);
   }
   // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
   // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
@@ -381,11 +387,13 @@ DEVFN void produce_tiles(char* smem, const C& crew, int pw, int lane, Next&& nex
     const TileAddr a1 = tile_addr(t1, i1, sh, lane);
     tile_prefetch(t1, a1, sh, lane);
     const int buf = tc & 1;
+    Batch first;  // issued before the wait for the buffer: its load latency overlaps the wait
+    load_batch(t0, a0, 0, lane, first);
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
       if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
-    fill_tile(smem, crew, buf, t0, a0, sh, lane);
+    fill_tile(smem, crew, buf, t0, a0, sh, lane, first);
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
