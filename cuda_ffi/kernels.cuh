@@ -179,12 +179,23 @@ DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& secon
   second = make_u4(o[4], o[5], o[6], o[7]);
 }
 
-// A tile to gather: positions tok0..tok0+63 of indices row `row` of `pool` (ok = false: none).
+// The two token pools a producer reads (decode: main and extra cache; prefill: kv twice), as the
+// addresses of kernel parameters. A tile names its pool by a flag and every field is chosen field
+// by field (`field`): a pool pointer chosen at run time and carried across the loop lost its
+// parameter-space provenance and turned each field read into a dependent generic load (seen in
+// Nsight Compute as long-scoreboard stalls ahead of every index load).
+struct Pools {
+  const Pool* main;
+  const Pool* extra;
+};
+#define DSV41_POOL(ps, t, f) ((t).extra ? (ps).extra->f : (ps).main->f)
+
+// A tile to gather: positions tok0..tok0+63 of indices row `row` of pool `extra` ? extra : main
+// (ok = false: none).
 struct TileSrc {
-  const Pool* pool;
   int64_t row;
   int len, tok0;
-  bool ok;
+  bool ok, extra;
 };
 // This warp's share of a tile's addresses: lane l holds the byte offsets of token
 // tok0 + sh.base + (l % sh.ntok); vmask bit j = token sh.base + j is valid.
@@ -197,24 +208,27 @@ struct TileAddr {
 // yet), the addresses of tile tc+1 are computed from the indices loaded one tile earlier and its
 // rows are prefetched into L2, then tile tc is gathered (its rows prefetched one tile earlier).
 // So the index load and the HBM latency of a tile overlap the previous tile's gather.
-DEVFN int32_t tile_index(const TileSrc& t, const Share& sh, int lane) {
+DEVFN int32_t tile_index(const Pools& ps, const TileSrc& t, const Share& sh, int lane) {
   const int pos = t.tok0 + sh.base + (lane & (sh.ntok - 1));
-  return (t.ok && pos < t.len) ? ldg_nc_s32(t.pool->indices + t.row * (int64_t)t.pool->topk + pos) : -1;
+  return (t.ok && pos < t.len)
+             ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
+             : -1;
 }
 
 // Warp-uniform in t.ok (ballot inside).
-DEVFN TileAddr tile_addr(const TileSrc& t, int32_t idx, const Share& sh, int lane) {
+DEVFN TileAddr tile_addr(const Pools& ps, const TileSrc& t, int32_t idx, const Share& sh, int lane) {
   TileAddr a{0, 0, 0u};
   if (!t.ok) return a;
-  const Pool& pool = *t.pool;
   const int pos = t.tok0 + sh.base + (lane & (sh.ntok - 1));
-  const bool valid = pos < t.len && idx >= 0 && (int64_t)idx < pool.capacity;
+  const bool valid = pos < t.len && idx >= 0 && (int64_t)idx < DSV41_POOL(ps, t, capacity);
   if (valid) {
-    if (pool.fmt == kFmtFp8DsMla) {
-      const int64_t blk = (int64_t)idx / pool.block_size;
-      const int64_t off = (int64_t)idx - blk * pool.block_size;
-      a.doff = blk * pool.page_bytes + off * kFp8TokenData;
-      a.soff = blk * pool.page_bytes + (int64_t)pool.block_size * kFp8TokenData + off * kFp8TokenScale;
+    if (DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla) {
+      const int32_t bs = DSV41_POOL(ps, t, block_size);
+      const int64_t pb = DSV41_POOL(ps, t, page_bytes);
+      const int64_t blk = (int64_t)idx / bs;
+      const int64_t off = (int64_t)idx - blk * bs;
+      a.doff = blk * pb + off * kFp8TokenData;
+      a.soff = blk * pb + (int64_t)bs * kFp8TokenData + off * kFp8TokenScale;
     } else {
       a.doff = (int64_t)idx * (kHeadDim * 2);
     }
@@ -225,19 +239,20 @@ DEVFN TileAddr tile_addr(const TileSrc& t, int32_t idx, const Share& sh, int lan
 
 // L2 prefetch of this warp's rows of a tile: lanes l and l + ntok (token l % ntok) take half the
 // lines each (lanes from 2 ntok on idle).
-DEVFN void tile_prefetch(const TileSrc& t, const TileAddr& a, const Share& sh, int lane) {
+DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr& a, const Share& sh, int lane) {
 #ifdef DSV41_EXP_NO_GATHER
   return;
 #endif
   if (!t.ok || lane >= 2 * sh.ntok || !((a.vmask >> (lane & (sh.ntok - 1))) & 1u)) return;
-  const uint8_t* d = t.pool->base + a.doff;
+  const uint8_t* base = DSV41_POOL(ps, t, base);
+  const uint8_t* d = base + a.doff;
   const int h = lane >= sh.ntok ? 1 : 0;
-  if (t.pool->fmt == kFmtFp8DsMla) {  // 576 data bytes (5-6 lines) + 8 scale bytes
+  if (DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla) {  // 576 data bytes (5-6 lines) + 8 scale bytes
     if (h == 0) {
       prefetch_l2(d);
       prefetch_l2(d + 128);
       prefetch_l2(d + 256);
-      prefetch_l2(t.pool->base + a.soff);
+      prefetch_l2(base + a.soff);
     } else {
       prefetch_l2(d + 384);
       prefetch_l2(d + 512);
@@ -286,14 +301,14 @@ struct Batch {
   uint32_t sc[8];
 };
 
-DEVFN void load_batch(const TileSrc& t, const TileAddr& a, int jb, int lane, Batch& bt) {
-  const uint8_t* base = t.pool->base;
+DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr& a, int jb, int lane, Batch& bt) {
+  const uint8_t* base = DSV41_POOL(ps, t, base);
 #ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
   const uint32_t lmask = 0u;
 #else
   const uint32_t lmask = a.vmask;  // 0 when !t.ok
 #endif
-  const bool fp8 = t.pool->fmt == kFmtFp8DsMla;  // warp-uniform
+  const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;  // warp-uniform
 #pragma unroll
   for (int jj = 0; jj < 8; ++jj) {
     const int64_t d = shfl_idx_i64(a.doff, jb + jj);
@@ -319,15 +334,15 @@ DEVFN void load_batch(const TileSrc& t, const TileAddr& a, int jb, int lane, Bat
 
 // Dequantise / convert a loaded batch (tokens sh.base + jb ..) and store it with its mask word.
 template <class C>
-DEVFN void store_batch(char* smem, const C& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
-                       int jb, int lane, const Batch& bt) {
+DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, const TileAddr& a, const Share& sh, int jb,
+                       int lane, const Batch& bt) {
   char* kbuf = smem + kSmemK + buf * kTileBytes;
   constexpr bool remote = C::ncta == 2;
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
   if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + jb) >> 3, a.vmask >> jb);
-  if (t.pool->fmt == kFmtFp8DsMla) {  // warp-uniform
+  if (fp8) {  // warp-uniform
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       uint4 first, second;
@@ -355,14 +370,15 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, const TileSrc& t, con
 // lane. (Measured alternatives, cuda_notes.md: one batch of 16 fp8 tokens with the RoPE read as 4
 // bytes per lane, and a continuous 8-deep token ring across tiles, were both slower on the H200.)
 template <class C>
-DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const TileAddr& a, const Share& sh,
-                     int lane, const Batch& first) {
-  store_batch(smem, crew, buf, t, a, sh, 0, lane, first);
+DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr& a,
+                     const Share& sh, int lane, const Batch& first) {
+  const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
+  store_batch(smem, crew, buf, fp8, a, sh, 0, lane, first);
 #pragma unroll 1
   for (int jb = 8; jb < sh.ntok; jb += 8) {
     Batch bt;
-    load_batch(t, a, jb, lane, bt);
-    store_batch(smem, crew, buf, t, a, sh, jb, lane, bt);
+    load_batch(ps, t, a, jb, lane, bt);
+    store_batch(smem, crew, buf, fp8, a, sh, jb, lane, bt);
   }
   // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
   // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
@@ -373,27 +389,32 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const TileSrc& t, const
 // past the end): look-ahead as described above, FULL / EMPTY hand-off (and, in a pair, PFULL /
 // PEMPTY), final drain.
 template <class C, class Next>
-DEVFN void produce_tiles(char* smem, const C& crew, int pw, int lane, Next&& next) {
+DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
   const Share sh = producer_share(crew, pw);
   constexpr bool pair = C::ncta == 2;
   TileSrc t0 = next();
   TileSrc t1 = next();
-  int32_t i1 = tile_index(t1, sh, lane);
-  TileAddr a0 = tile_addr(t0, tile_index(t0, sh, lane), sh, lane);
+  int32_t i1 = tile_index(ps, t1, sh, lane);
+  TileAddr a0 = tile_addr(ps, t0, tile_index(ps, t0, sh, lane), sh, lane);
   int tc = 0;
   for (; t0.ok; ++tc) {
     const TileSrc t2 = next();
-    const int32_t i2 = tile_index(t2, sh, lane);  // consumed one tile later
-    const TileAddr a1 = tile_addr(t1, i1, sh, lane);
-    tile_prefetch(t1, a1, sh, lane);
+    const int32_t i2 = tile_index(ps, t2, sh, lane);  // consumed one tile later
+    const TileAddr a1 = tile_addr(ps, t1, i1, sh, lane);
+    tile_prefetch(ps, t1, a1, sh, lane);
     const int buf = tc & 1;
     Batch first;  // issued before the wait for the buffer: its load latency overlaps the wait
-    load_batch(t0, a0, 0, lane, first);
+#ifndef DSV41_EXP_NO_PRELOAD  // experiment: the first batch loaded after the wait
+    load_batch(ps, t0, a0, 0, lane, first);
+#endif
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
       if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
-    fill_tile(smem, crew, buf, t0, a0, sh, lane, first);
+#ifdef DSV41_EXP_NO_PRELOAD
+    load_batch(ps, t0, a0, 0, lane, first);
+#endif
+    fill_tile(smem, crew, buf, ps, t0, a0, sh, lane, first);
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
@@ -823,7 +844,7 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
       sg = decode_segment(p, wk, req);
       blk = sg.blk0;
     }
-    TileSrc t{&p.main, 0, 0, 0, false};
+    TileSrc t{0, 0, 0, false, false};
     if (req > wk.end_req) return t;
     t.ok = true;
     t.row = (int64_t)req * p.s_q + s;
@@ -831,14 +852,14 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
       t.len = sg.len_main;
       t.tok0 = blk * kTileTokens;
     } else {
-      t.pool = &p.extra;
+      t.extra = true;
       t.len = sg.len_extra;
       t.tok0 = (blk - sg.nmain) * kTileTokens;
     }
     ++blk;
     return t;
   };
-  produce_tiles(smem, crew, pw, lane, next);
+  produce_tiles(smem, crew, Pools{&p.main, &p.extra}, pw, lane, next);
 }
 
 template <class C>
@@ -1086,11 +1107,11 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     setmaxnreg_dec<kProducerRegs>();
     int tn = 0;
     auto next = [&]() -> TileSrc {
-      TileSrc t{&p.kv, s, len, tn * kTileTokens, tn < ntiles};
+      TileSrc t{s, len, tn * kTileTokens, tn < ntiles, false};
       tn += tn < ntiles ? 1 : 0;
       return t;
     };
-    produce_tiles(smem, crew, w - kConsumerWarps, lane, next);
+    produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     Acc acc;

@@ -310,9 +310,15 @@ DEVFN uint32_t smem_addr(const void* p) {
 
 // ------------------------------------------------------------------------------ clusters, mbarriers
 // A cluster address names byte `off` of CTA `rank`'s shared memory (device: mapa; emulator:
-// rank << 24 | off). mbarriers live in shared memory (8 bytes, 8-aligned); arrivals use release
-// and waits acquire semantics at cluster scope, so shared-memory stores (local or remote) made
-// before an arrival are visible to the threads that waited for that phase.
+// rank << 24 | off). mbarriers live in shared memory (8 bytes, 8-aligned). Arrivals release and
+// waits acquire at CTA scope (the PTX defaults, as CUTLASS's cluster pipelines use them):
+//  * PFULL (st.async + complete_tx): the transaction mechanism makes the peer's stores visible to
+//    the threads that observe the phase; no cross-CTA release/acquire is needed for them.
+//  * PEMPTY (remote arrivals of the peer's consumer warps): each arrives after wgmma.wait_group, so
+//    the peer's reads of the buffer have completed, not merely been ordered, before the arrival.
+// Cluster-scope semantics cost a MEMBAR.ALL.GPU per remote arrival and an L1 invalidation
+// (CCTL.IVALL, which also waits for every outstanding load) per wait: Nsight Compute put 8% of the
+// pair decode's samples there (benchmarks/RESULTS.md, "cuda decode profile").
 #if DSV41_DEVICE
 DEVFN int cluster_rank() {
   uint32_t r;
@@ -334,7 +340,7 @@ DEVFN void mbar_init(uint32_t saddr, int count) {
 // Makes mbarrier initialisation visible to the cluster (before the cluster barrier that follows).
 DEVFN void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 DEVFN void mbar_arrive(uint32_t caddr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(caddr) : "memory");
+  asm volatile("mbarrier.arrive.release.cta.shared::cluster.b64 _, [%0];" ::"r"(caddr) : "memory");
 }
 // Arrival on this CTA's mbarrier that also expects `bytes` more of asynchronous stores this phase.
 DEVFN void mbar_arrive_expect_tx(uint32_t saddr, uint32_t bytes) {
@@ -357,7 +363,7 @@ DEVFN void mbar_wait(uint32_t saddr, uint32_t parity) {
   uint32_t ok = 0;
   do {
     asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
         "selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(ok)
         : "r"(saddr), "r"(parity)
