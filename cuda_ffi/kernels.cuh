@@ -126,6 +126,7 @@ DEVFN void crew_teardown(const C&) {
 // stores into its peer per tile: those tokens' f16 rows + its mask word (fill_tile's st.async).
 constexpr int kPairTokensPerWarp = kTileTokens / 2 / kProducerWarps;
 static_assert(kPairTokensPerWarp == 8, "fill_tile sends one 8-token batch (one mask word) per warp and tile");
+static_assert(kTileTokens / kProducerWarps == 16, "one CTA's producer warp gathers two 8-token batches per tile");
 constexpr uint32_t kPeerBytesPerWarp = kPairTokensPerWarp * kHeadDim * 2 + 4;
 
 // One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
@@ -197,88 +198,144 @@ struct TileSrc {
   int len, tok0;
   bool ok, extra;
 };
-// This warp's share of a tile's addresses: lane l holds the byte offsets of token
-// tok0 + sh.base + (l % sh.ntok); vmask bit j = token sh.base + j is valid.
+// Lane layout of the producers: a warp's share of a tile is NB batches of 8 tokens (NB = 1 in a
+// pair, 2 for one CTA); in every batch lane l works on token j = l / 4 (row sh.base + 8b + j of
+// the tile) with its quarter q = l % 4 of that token's bytes, so each lane converts the same amount
+// of data with the same instructions (no divergence between fp8 and RoPE lanes), needs only its own
+// token's address (no shuffles) and stores at offsets known up to a per-lane base.
+//   fp8_ds_mla: 16-byte chunks c = q + 4i (i = 0..6) of the 448 e4m3 bytes (dims 16c..16c+15, scale
+//   byte i), and bytes 32q..32q+31 of the 128-byte bf16 RoPE; bf16: chunks 8(i / 2) + 4((i % 2) ^
+//   (j % 2)) + q (i = 0..15) of the 1024-byte row (odd tokens take their two 4-chunk halves in the
+//   other order, so the 8 lanes of a store phase hit 8 distinct bank groups).
+template <int NB>
 struct TileAddr {
-  int64_t doff, soff;
-  uint32_t vmask;
+  int64_t doff[NB], soff[NB];  // byte offsets of this lane's token of batch b (0 when invalid)
+  uint32_t vmask;              // bit 8b + j: token j of batch b is valid
+};
+template <int NB>
+struct TileIdx {
+  int32_t v[NB];
 };
 
 // Producers run a 3-stage look-ahead per tile tc: the indices of tile tc+2 are loaded (no use
 // yet), the addresses of tile tc+1 are computed from the indices loaded one tile earlier and its
 // rows are prefetched into L2, then tile tc is gathered (its rows prefetched one tile earlier).
 // So the index load and the HBM latency of a tile overlap the previous tile's gather.
-DEVFN int32_t tile_index(const Pools& ps, const TileSrc& t, const Share& sh, int lane) {
-  const int pos = t.tok0 + sh.base + (lane & (sh.ntok - 1));
-  return (t.ok && pos < t.len)
-             ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
-             : -1;
+template <int NB>
+DEVFN TileIdx<NB> tile_index(const Pools& ps, const TileSrc& t, const Share& sh, int lane) {
+  TileIdx<NB> r;
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    const int pos = t.tok0 + sh.base + 8 * b + (lane >> 2);
+    r.v[b] = (t.ok && pos < t.len)
+                 ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
+                 : -1;
+  }
+  return r;
 }
 
 // Warp-uniform in t.ok (ballot inside).
-DEVFN TileAddr tile_addr(const Pools& ps, const TileSrc& t, int32_t idx, const Share& sh, int lane) {
-  TileAddr a{0, 0, 0u};
+template <int NB>
+DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB>& idx, const Share& sh, int lane) {
+  TileAddr<NB> a;
+  a.vmask = 0u;
+#pragma unroll
+  for (int b = 0; b < NB; ++b) a.doff[b] = a.soff[b] = 0;
   if (!t.ok) return a;
-  const int pos = t.tok0 + sh.base + (lane & (sh.ntok - 1));
-  const bool valid = pos < t.len && idx >= 0 && (int64_t)idx < DSV41_POOL(ps, t, capacity);
-  if (valid) {
-    if (DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla) {
-      const int32_t bs = DSV41_POOL(ps, t, block_size);
-      const int64_t pb = DSV41_POOL(ps, t, page_bytes);
-      const int64_t blk = (int64_t)idx / bs;
-      const int64_t off = (int64_t)idx - blk * bs;
-      a.doff = blk * pb + off * kFp8TokenData;
-      a.soff = blk * pb + (int64_t)bs * kFp8TokenData + off * kFp8TokenScale;
-    } else {
-      a.doff = (int64_t)idx * (kHeadDim * 2);
+  const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
+  const int64_t cap = DSV41_POOL(ps, t, capacity);
+  const int32_t bs = DSV41_POOL(ps, t, block_size);
+  const int64_t pb = DSV41_POOL(ps, t, page_bytes);
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    const int pos = t.tok0 + sh.base + 8 * b + (lane >> 2);
+    const int32_t i = idx.v[b];
+    const bool valid = pos < t.len && i >= 0 && (int64_t)i < cap;
+    if (valid) {
+      if (fp8) {
+        const int64_t blk = (int64_t)i / bs;
+        const int64_t off = (int64_t)i - blk * bs;
+        a.doff[b] = blk * pb + off * kFp8TokenData;
+        a.soff[b] = blk * pb + (int64_t)bs * kFp8TokenData + off * kFp8TokenScale;
+      } else {
+        a.doff[b] = (int64_t)i * (kHeadDim * 2);
+      }
     }
+    const uint32_t bits = ballot(valid);  // bit 4j + q: token j (the 4 lanes of a token agree)
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m |= ((bits >> (4 * j)) & 1u) << j;
+    a.vmask |= m << (8 * b);
   }
-  a.vmask = ballot(valid) & ((1u << sh.ntok) - 1u);
   return a;
 }
 
-// L2 prefetch of this warp's rows of a tile: lanes l and l + ntok (token l % ntok) take half the
-// lines each (lanes from 2 ntok on idle).
-DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr& a, const Share& sh, int lane) {
+// L2 prefetch of this lane's token's lines (the 4 lanes of a token split them).
+template <int NB>
+DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {
 #ifdef DSV41_EXP_NO_GATHER
   return;
 #endif
-  if (!t.ok || lane >= 2 * sh.ntok || !((a.vmask >> (lane & (sh.ntok - 1))) & 1u)) return;
+  if (!t.ok) return;
   const uint8_t* base = DSV41_POOL(ps, t, base);
-  const uint8_t* d = base + a.doff;
-  const int h = lane >= sh.ntok ? 1 : 0;
-  if (DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla) {  // 576 data bytes (5-6 lines) + 8 scale bytes
-    if (h == 0) {
-      prefetch_l2(d);
-      prefetch_l2(d + 128);
-      prefetch_l2(d + 256);
-      prefetch_l2(base + a.soff);
-    } else {
-      prefetch_l2(d + 384);
-      prefetch_l2(d + 512);
-      prefetch_l2(d + kFp8TokenData - 1);
-    }
-  } else {  // 1024 bytes (8-9 lines)
+  const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
+  const int q = lane & 3;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) prefetch_l2(d + 512 * h + 128 * i);
-    if (h == 1) prefetch_l2(d + kHeadDim * 2 - 1);
+  for (int b = 0; b < NB; ++b) {
+    if (!((a.vmask >> (8 * b + (lane >> 2))) & 1u)) continue;
+    const uint8_t* d = base + a.doff[b];
+    if (fp8) {  // 576 data bytes (5-6 lines) + 8 scale bytes
+      prefetch_l2(d + 128 * q);
+      if (q == 0) prefetch_l2(d + 512);
+      if (q == 1) prefetch_l2(d + kFp8TokenData - 1);
+      if (q == 2) prefetch_l2(base + a.soff[b]);
+    } else {  // 1024 bytes (8-9 lines)
+      prefetch_l2(d + 128 * q);
+      prefetch_l2(d + 512 + 128 * q);
+      if (q == 3) prefetch_l2(d + kHeadDim * 2 - 1);
+    }
   }
 }
 
-// Two 16-byte f16 chunks of row `row` (lane l: chunks 2l, 2l + 1) into K buffer `kbuf` and, when
-// `remote`, by st.async into the peer's copy `rbuf`, completing on the peer's mbarrier `rbar`.
-DEVFN void store_chunk_pair(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int row, int lane,
-                            const uint4& first, const uint4& second) {
-  // Bank-conflict-free stores: in each quarter warp, lanes 4..7 store their odd chunk first.
-  const bool swap = (lane >> 2) & 1;
-  const int o0 = tile_off(row, 2 * lane + (swap ? 1 : 0)), o1 = tile_off(row, 2 * lane + (swap ? 0 : 1));
-  const uint4 v0 = swap ? second : first, v1 = swap ? first : second;
-  *reinterpret_cast<uint4*>(kbuf + o0) = v0;
-  *reinterpret_cast<uint4*>(kbuf + o1) = v1;
-  if (remote) {
-    st_async_v4(rbuf + (uint32_t)o0, v0, rbar);
-    st_async_v4(rbuf + (uint32_t)o1, v1, rbar);
+// One batch (8 tokens) of a warp's share in registers: loads issued, not yet used. fp8_ds_mla:
+// v[0..6] the e4m3 chunks, v[7], v[8] the RoPE bytes, sc the 8 scale bytes; bf16: v[0..15].
+// Invalid tokens are zero.
+struct Batch {
+  uint4 v[16];
+  uint2 sc;
+};
+
+DEVFN int bf16_chunk(int i, int lane) { return 8 * (i >> 1) + 4 * ((i & 1) ^ ((lane >> 2) & 1)) + (lane & 3); }
+
+template <int NB>
+DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int b, int lane, Batch& bt) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) bt.v[i] = make_u4(0, 0, 0, 0);
+  bt.sc.x = bt.sc.y = 0u;
+#ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
+  return;
+#endif
+  if (!((a.vmask >> (8 * b + (lane >> 2))) & 1u)) return;
+  const uint8_t* base = DSV41_POOL(ps, t, base);
+  const uint8_t* d = base + a.doff[b];
+  const int q = lane & 3;
+  if (DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla) {  // warp-uniform
+#pragma unroll
+    for (int i = 0; i < 7; ++i) bt.v[i] = ldg_nc_v4(d + 16 * (q + 4 * i));
+    bt.v[7] = ldg_nc_v4(d + 448 + 32 * q);
+    bt.v[8] = ldg_nc_v4(d + 448 + 32 * q + 16);
+    bt.sc = ldg_nc_v2(base + a.soff[b]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) bt.v[i] = ldg_nc_v4(d + 16 * bf16_chunk(i, lane));
   }
+}
+
+// Two 16-byte f16 chunks at byte offsets o0, o1 of K buffer `kbuf` and, when `remote`, by st.async
+// at the same offsets of the peer's copy `rbuf`, completing on the peer's mbarrier `rbar`.
+DEVFN void store_chunk(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int o, const uint4& v) {
+  *reinterpret_cast<uint4*>(kbuf + o) = v;
+  if (remote) st_async_v4(rbuf + (uint32_t)o, v, rbar);
 }
 
 DEVFN uint4 bf16x8_to_f16x8(const uint4& v) {
@@ -293,92 +350,60 @@ DEVFN void store_valid_word(char* smem, bool remote, uint32_t peer, uint32_t rba
   if (remote) st_async_u32(peer + (uint32_t)off, bits & 0xffu, rbar);
 }
 
-// One batch of 8 tokens of a warp's share, in registers (loads issued, not yet used). fp8_ds_mla:
-// lanes 0..27 hold 16 e4m3 bytes (lo) and their UE8M0 byte (sc), lanes 28..31 32 bytes of bf16
-// RoPE (lo, hi); bf16: 32 bytes per lane (lo, hi). Invalid tokens are zero.
-struct Batch {
-  uint4 lo[8], hi[8];
-  uint32_t sc[8];
-};
-
-DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr& a, int jb, int lane, Batch& bt) {
-  const uint8_t* base = DSV41_POOL(ps, t, base);
-#ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
-  const uint32_t lmask = 0u;
-#else
-  const uint32_t lmask = a.vmask;  // 0 when !t.ok
-#endif
-  const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;  // warp-uniform
-#pragma unroll
-  for (int jj = 0; jj < 8; ++jj) {
-    const int64_t d = shfl_idx_i64(a.doff, jb + jj);
-    const int64_t so = fp8 ? shfl_idx_i64(a.soff, jb + jj) : 0;
-    bt.lo[jj] = make_u4(0, 0, 0, 0);
-    bt.hi[jj] = make_u4(0, 0, 0, 0);
-    bt.sc[jj] = 0;
-    if ((lmask >> (jb + jj)) & 1u) {  // warp-uniform
-      if (!fp8) {
-        bt.lo[jj] = ldg_nc_v4(base + d + 32 * lane);
-        bt.hi[jj] = ldg_nc_v4(base + d + 32 * lane + 16);
-      } else if (lane < 28) {
-        bt.lo[jj] = ldg_nc_v4(base + d + 16 * lane);
-        bt.sc[jj] = ldg_nc_u8(base + so + (lane >> 2));
-      } else {
-        const uint8_t* rp = base + d + 448 + 32 * (lane - 28);
-        bt.lo[jj] = ldg_nc_v4(rp);
-        bt.hi[jj] = ldg_nc_v4(rp + 16);
-      }
-    }
-  }
-}
-
-// Dequantise / convert a loaded batch (tokens sh.base + jb ..) and store it with its mask word.
+// Dequantise / convert loaded batch b (rows sh.base + 8b ..) and store it with its mask word.
+// f16 chunk k of row r sits at (k / 8) * 8192 + r * 128 + ((k % 8) ^ (r % 8)) * 16 (params.h):
+// fp8 chunk c = q + 4i becomes f16 chunks 2c, 2c + 1 = 8i + 2q (+1), the RoPE f16 chunks 56 + 2q (+1).
 template <class C>
-DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, const TileAddr& a, const Share& sh, int jb,
+DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vmask, const Share& sh, int b,
                        int lane, const Batch& bt) {
   char* kbuf = smem + kSmemK + buf * kTileBytes;
   constexpr bool remote = C::ncta == 2;
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
-  if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + jb) >> 3, a.vmask >> jb);
+  if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
+  const int row = sh.base + 8 * b + (lane >> 2), q = lane & 3, r7 = row & 7;
   if (fp8) {  // warp-uniform
+    const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
+    const uint32_t sw[2] = {bt.sc.x, bt.sc.y};
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
+    for (int i = 0; i < 8; ++i) {
       uint4 first, second;
-      if (lane < 28) {
-        dequant16(bt.lo[jj], bt.sc[jj], first, second);
+      if (i < 7) {
+        dequant16(bt.v[i], (sw[i >> 2] >> (8 * (i & 3))) & 0xffu, first, second);
       } else {
-        first = bf16x8_to_f16x8(bt.lo[jj]);
-        second = bf16x8_to_f16x8(bt.hi[jj]);
+        first = bf16x8_to_f16x8(bt.v[7]);
+        second = bf16x8_to_f16x8(bt.v[8]);
       }
-      store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, first, second);
+      store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e0, first);
+      store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e1, second);
     }
   } else {
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
-      store_chunk_pair(kbuf, remote, rbuf, rbar, sh.base + jb + jj, lane, bf16x8_to_f16x8(bt.lo[jj]),
-                       bf16x8_to_f16x8(bt.hi[jj]));
+    for (int i = 0; i < 16; ++i) {
+      const int k = bf16_chunk(i, lane);
+      store_chunk(kbuf, remote, rbuf, rbar, (k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4),
+                  bf16x8_to_f16x8(bt.v[i]));
+    }
   }
 }
 
 // Producer warp pw fills rows sh.base.. of K buffer `buf` (its own and, in a pair, its peer's) with
-// its sh.ntok tokens of tile `t` (addresses `a` from tile_addr) and their bits of the validity
-// mask, in batches of 8 tokens whose loads are all issued before the first is used. The first
-// batch (`first`) was loaded by the caller before it waited for the buffer, so its latency overlaps
-// that wait. Lane l owns dims 16l..16l+15 (Batch); each token becomes two 16-byte f16 chunks per
-// lane. (Measured alternatives, cuda_notes.md: one batch of 16 fp8 tokens with the RoPE read as 4
-// bytes per lane, and a continuous 8-deep token ring across tiles, were both slower on the H200.)
-template <class C>
-DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr& a,
+// its NB batches of tile `t` (addresses `a` from tile_addr) and their bits of the validity mask.
+// The first batch (`first`) was loaded by the caller before it waited for the buffer, so its
+// latency overlaps that wait. (Measured alternatives, cuda_notes.md: one lane per 16 dims of a
+// token with fp8 and RoPE lanes diverging, one batch of 16 fp8 tokens, a continuous 8-deep token
+// ring across tiles.)
+template <int NB, class C>
+DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
                      const Share& sh, int lane, const Batch& first) {
   const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
-  store_batch(smem, crew, buf, fp8, a, sh, 0, lane, first);
+  store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first);
 #pragma unroll 1
-  for (int jb = 8; jb < sh.ntok; jb += 8) {
+  for (int b = 1; b < NB; ++b) {
     Batch bt;
-    load_batch(ps, t, a, jb, lane, bt);
-    store_batch(smem, crew, buf, fp8, a, sh, jb, lane, bt);
+    load_batch(ps, t, a, b, lane, bt);
+    store_batch(smem, crew, buf, fp8, a.vmask, sh, b, lane, bt);
   }
   // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
   // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
@@ -392,16 +417,17 @@ template <class C, class Next>
 DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
   const Share sh = producer_share(crew, pw);
   constexpr bool pair = C::ncta == 2;
+  constexpr int NB = pair ? 1 : 2;  // 8-token batches per warp and tile
   TileSrc t0 = next();
   TileSrc t1 = next();
-  int32_t i1 = tile_index(ps, t1, sh, lane);
-  TileAddr a0 = tile_addr(ps, t0, tile_index(ps, t0, sh, lane), sh, lane);
+  TileIdx<NB> i1 = tile_index<NB>(ps, t1, sh, lane);
+  TileAddr<NB> a0 = tile_addr<NB>(ps, t0, tile_index<NB>(ps, t0, sh, lane), sh, lane);
   int tc = 0;
   for (; t0.ok; ++tc) {
     const TileSrc t2 = next();
-    const int32_t i2 = tile_index(ps, t2, sh, lane);  // consumed one tile later
-    const TileAddr a1 = tile_addr(ps, t1, i1, sh, lane);
-    tile_prefetch(ps, t1, a1, sh, lane);
+    const TileIdx<NB> i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
+    const TileAddr<NB> a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
+    tile_prefetch<NB>(ps, t1, a1, lane);
     const int buf = tc & 1;
     Batch first;  // issued before the wait for the buffer: its load latency overlaps the wait
 #ifndef DSV41_EXP_NO_PRELOAD  // experiment: the first batch loaded after the wait
@@ -414,7 +440,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
 #ifdef DSV41_EXP_NO_PRELOAD
     load_batch(ps, t0, a0, 0, lane, first);
 #endif
-    fill_tile(smem, crew, buf, ps, t0, a0, sh, lane, first);
+    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first);
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);

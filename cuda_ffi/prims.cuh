@@ -28,6 +28,7 @@ namespace dsv41 {
 
 #if !DSV41_DEVICE
 using emu::uint4;
+using emu::uint2;
 using emu::float2;
 using emu::float4;
 #endif
@@ -123,11 +124,13 @@ DEVFN int64_t shfl_idx_i64(int64_t v, int src) {
 #if DSV41_DEVICE
 DEVFN uint4 ldg_nc_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 DEVFN uint32_t ldg_nc_u8(const void* p) { return (uint32_t)__ldg(reinterpret_cast<const unsigned char*>(p)); }
+DEVFN uint2 ldg_nc_v2(const void* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
 DEVFN int32_t ldg_nc_s32(const int32_t* p) { return __ldg(p); }
 DEVFN float ldg_nc_f32(const float* p) { return __ldg(p); }
 #else
 inline uint4 ldg_nc_v4(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
 inline uint32_t ldg_nc_u8(const void* p) { return *reinterpret_cast<const unsigned char*>(p); }
+inline uint2 ldg_nc_v2(const void* p) { uint2 r; std::memcpy(&r, p, 8); return r; }
 inline int32_t ldg_nc_s32(const int32_t* p) { return *p; }
 inline float ldg_nc_f32(const float* p) { return *p; }
 #endif
