@@ -483,9 +483,14 @@ DEVFN void release_tile(const C& crew, int tc, int lane) {
 //    mma.sync path rows 16 (i / 8) + g (+ 8), dims 64 w + 8 (i % 8) + 2t + (e & 1).
 struct Acc {
   float o[32][4];
-  float m[2];
+  float m[2];      // base of P = 2^(S - m) (lazy: may lag the running maximum by up to kLazyLog2)
   float l[2];
+  float mtrue[2];  // running maximum of S (max_logits)
 };
+// Lazy rescaling (as FlashAttention-4 and FlashMLA's SM100 kernels do it): the base m moves only
+// when a tile's maximum exceeds it by more than this (log2 units), so P <= 2^8 (exact range for
+// f16) and most tiles leave O alone (alpha = 1) instead of 128 multiplies per thread.
+constexpr float kLazyLog2 = 8.f;
 constexpr int kORowBlocks = kWgmma ? 1 : 4;  // distinct 16-row blocks of o per thread
 constexpr int kOCols = 32 / kORowBlocks;     // 8-column blocks per row block
 DEVFN int o_row(int w, int rb, int g) { return 16 * (kWgmma ? (w & 3) : rb) + g; }
@@ -496,7 +501,7 @@ DEVFN void acc_reset(Acc& a) {
   for (int i = 0; i < 32; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) a.o[i][e] = 0.f;
-  a.m[0] = a.m[1] = -finf();
+  a.m[0] = a.m[1] = a.mtrue[0] = a.mtrue[1] = -finf();
   a.l[0] = a.l[1] = 0.f;
 }
 
@@ -561,9 +566,11 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
   for (int hr = 0; hr < 2; ++hr) {
     const int r = r0 + 8 * hr;
     const float mt = fmaxf(rmax[r], rmax[64 + r]);
-    const float mnew = fmaxf(acc.m[hr], mt);
+    acc.mtrue[hr] = fmaxf(acc.mtrue[hr], mt);
+    const bool move = mt > acc.m[hr] + kLazyLog2;  // from a -inf base: any finite maximum
+    const float mnew = move ? mt : acc.m[hr];
     const float base = (mnew == ninf) ? 0.f : mnew;  // keeps (-inf) - (-inf) out
-    alpha[hr] = fexp2(acc.m[hr] - base);             // 0 while nothing was valid
+    alpha[hr] = move ? fexp2(acc.m[hr] - base) : 1.f;  // 0 when moving off -inf
     acc.m[hr] = mnew;
     float sum = 0.f;
 #pragma unroll
@@ -625,12 +632,14 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
+  if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    acc.o[i][0] *= alpha[0];
-    acc.o[i][1] *= alpha[0];
-    acc.o[i][2] *= alpha[1];
-    acc.o[i][3] *= alpha[1];
+    for (int i = 0; i < 32; ++i) {
+      acc.o[i][0] *= alpha[0];
+      acc.o[i][1] *= alpha[0];
+      acc.o[i][2] *= alpha[1];
+      acc.o[i][3] *= alpha[1];
+    }
   }
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
@@ -739,6 +748,7 @@ DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
   const int g = lane >> 2, t = lane & 3, rq = w & 3, th = w >> 2;
   float* lsum = reinterpret_cast<float*>(smem + kSmemLsum);
   float* mfin = reinterpret_cast<float*>(smem + kSmemMfin);
+  float* mtrue = reinterpret_cast<float*>(smem + kSmemMtrue);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     float l = acc.l[hr];
@@ -747,7 +757,10 @@ DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
     const int r = 16 * rq + g + 8 * hr;
     if (t == 0) {
       lsum[th * 64 + r] = l;
-      if (th == 0) mfin[r] = acc.m[hr];
+      if (th == 0) {
+        mfin[r] = acc.m[hr];
+        mtrue[r] = acc.mtrue[hr];
+      }
     }
   }
   bar_sync(kBarConsumers, kConsumerThreads);  // B3
@@ -761,6 +774,7 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
   const int g = lane >> 2, t = lane & 3;
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
+  const float* mtrue = reinterpret_cast<const float*>(smem + kSmemMtrue);
 #pragma unroll
   for (int rb = 0; rb < kORowBlocks; ++rb)
 #pragma unroll
@@ -774,7 +788,7 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
         const float sink2 = ldg_nc_f32(sink0 + r) * kLog2e;  // +-inf stay +-inf
         factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));   // sink=+inf -> 1/inf = 0
         lse_nat = lse2 * kLn2;
-        maxl = M * kLn2;
+        maxl = mtrue[r] * kLn2;
       }
       uint16_t* orow = orow0 + (int64_t)r * kHeadDim;
 #pragma unroll
