@@ -422,11 +422,14 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   TileSrc t1 = next();
   TileIdx<NB> i1 = tile_index<NB>(ps, t1, sh, lane);
   TileAddr<NB> a0 = tile_addr<NB>(ps, t0, tile_index<NB>(ps, t0, sh, lane), sh, lane);
-  // The first batch of tile tc is loaded at the end of iteration tc - 1, as soon as the registers
+  // Pairs load the first batch of tile tc at the end of iteration tc - 1, as soon as the registers
   // of tile tc - 1's batch are free: its latency overlaps the PFULL wait, the next tile's index and
-  // address work and the wait for the buffer.
+  // address work and the wait for the buffer (decode 578 -> 534 us). One CTA (two batches per warp,
+  // prefill's bf16 rows) loads it just before the wait for the buffer: held across the iteration,
+  // the 16 bf16 chunks cost prefill 5.9 -> 7.2 ms (RESULTS.md, "cuda producer lanes").
+  constexpr bool kEarly = pair;
   Batch first;
-  load_batch(ps, t0, a0, 0, lane, first);
+  if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
   int tc = 0;
   for (; t0.ok; ++tc) {
     const TileSrc t2 = next();
@@ -434,12 +437,13 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     const TileAddr<NB> a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
     tile_prefetch<NB>(ps, t1, a1, lane);
     const int buf = tc & 1;
+    if (!kEarly) load_batch(ps, t0, a0, 0, lane, first);
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
       if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
     fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first);
-    load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
+    if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
