@@ -152,12 +152,14 @@ DEVFN Share producer_share(const C& c, int pw) {
 // Fast path, scale exponent k = e - 127 in [-14, 7]: e4m3x2 -> f16x2 and one f16x2 multiply by the
 // f16 power of two (exact: |e4m3| <= 448 so |x 2^k| <= 57344, and the smallest product m 2^-23
 // is on f16's subnormal grid). Other scales go through f32: k >= 8 saturates beyond 65504, k <= -16
-// rounds on f16's subnormal grid (error < 2^-25).
+// rounds on f16's subnormal grid (error < 2^-25). kKnownFast: the caller has checked dequant_fast_ok.
+DEVFN bool dequant_fast_ok(uint32_t e8m0) { return e8m0 - 113u <= 21u; }  // k = e8m0 - 127 in [-14, 7]
+template <bool kKnownFast = false>
 DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& second) {
   const uint32_t wv[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t o[8];
   const int k = (int)e8m0 - 127;
-  if (k >= -14 && k <= 7) {
+  if (kKnownFast || dequant_fast_ok(e8m0)) {
     const uint32_t h = (uint32_t)(k + 15) << 10;
     const uint32_t sc2 = h | (h << 16);
 #pragma unroll
@@ -252,19 +254,20 @@ DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB
     const int32_t i = idx.v[b];
     const bool valid = pos < t.len && i >= 0 && (int64_t)i < cap;
     if (valid) {
-      if (fp8) {
-        const int64_t blk = (int64_t)i / bs;
-        const int64_t off = (int64_t)i - blk * bs;
-        a.doff[b] = blk * pb + off * kFp8TokenData;
-        a.soff[b] = blk * pb + (int64_t)bs * kFp8TokenData + off * kFp8TokenScale;
+      if (fp8) {  // 0 <= i < capacity < 2^31: a 32-bit division
+        const uint32_t blk = (uint32_t)i / (uint32_t)bs;
+        const uint32_t off = (uint32_t)i - blk * (uint32_t)bs;
+        a.doff[b] = (int64_t)blk * pb + (int64_t)off * kFp8TokenData;
+        a.soff[b] = (int64_t)blk * pb + (int64_t)bs * kFp8TokenData + (int64_t)off * kFp8TokenScale;
       } else {
         a.doff[b] = (int64_t)i * (kHeadDim * 2);
       }
     }
-    const uint32_t bits = ballot(valid);  // bit 4j + q: token j (the 4 lanes of a token agree)
-    uint32_t m = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m |= ((bits >> (4 * j)) & 1u) << j;
+    // bit 4j (+ q) of the ballot: token j (the 4 lanes of a token agree); fold bit 4j to bit j
+    uint32_t m = ballot(valid) & 0x11111111u;
+    m = (m | (m >> 3)) & 0x03030303u;
+    m = (m | (m >> 6)) & 0x000f000fu;
+    m = (m | (m >> 12)) & 0xffu;
     a.vmask |= m << (8 * b);
   }
   return a;
@@ -298,8 +301,8 @@ DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& 
 }
 
 // One batch (8 tokens) of a warp's share in registers: loads issued, not yet used. fp8_ds_mla:
-// v[0..6] the e4m3 chunks, v[7], v[8] the RoPE bytes, sc the 8 scale bytes; bf16: v[0..15].
-// Invalid tokens are zero.
+// v[0..6] the e4m3 chunks, v[7], v[8] the RoPE bytes, sc the 8 scale bytes (v[9..15] unused); bf16:
+// v[0..15] (sc unused). Invalid tokens are zero (with scale byte 127: the fast dequantisation path).
 struct Batch {
   uint4 v[16];
   uint2 sc;
@@ -311,7 +314,7 @@ template <int NB>
 DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int b, int lane, Batch& bt) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) bt.v[i] = make_u4(0, 0, 0, 0);
-  bt.sc.x = bt.sc.y = 0u;
+  bt.sc.x = bt.sc.y = 0x7f7f7f7fu;
 #ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
   return;
 #endif
@@ -350,6 +353,26 @@ DEVFN void store_valid_word(char* smem, bool remote, uint32_t peer, uint32_t rba
   if (remote) st_async_u32(peer + (uint32_t)off, bits & 0xffu, rbar);
 }
 
+DEVFN uint32_t scale_byte(const Batch& bt, int i) { return ((i < 4 ? bt.sc.x : bt.sc.y) >> (8 * (i & 3))) & 0xffu; }
+
+// The 16 f16 chunks of this lane's quarter of an fp8_ds_mla token (row offsets e0 / e1 of its even /
+// odd chunks in column block 0): block i < 7 from e4m3 chunk i, block 7 the RoPE.
+template <bool kFast>
+DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int e0, int e1, const Batch& bt) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint4 first, second;
+    if (i < 7) {
+      dequant16<kFast>(bt.v[i], scale_byte(bt, i), first, second);
+    } else {
+      first = bf16x8_to_f16x8(bt.v[7]);
+      second = bf16x8_to_f16x8(bt.v[8]);
+    }
+    store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e0, first);
+    store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e1, second);
+  }
+}
+
 // Dequantise / convert loaded batch b (rows sh.base + 8b ..) and store it with its mask word.
 // f16 chunk k of row r sits at (k / 8) * 8192 + r * 128 + ((k % 8) ^ (r % 8)) * 16 (params.h):
 // fp8 chunk c = q + 4i becomes f16 chunks 2c, 2c + 1 = 8i + 2q (+1), the RoPE f16 chunks 56 + 2q (+1).
@@ -365,18 +388,14 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
   const int row = sh.base + 8 * b + (lane >> 2), q = lane & 3, r7 = row & 7;
   if (fp8) {  // warp-uniform
     const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
-    const uint32_t sw[2] = {bt.sc.x, bt.sc.y};
+    // One warp-uniform test of all seven scale bytes instead of a (possibly divergent) branch per chunk.
+    bool fast = true;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      uint4 first, second;
-      if (i < 7) {
-        dequant16(bt.v[i], (sw[i >> 2] >> (8 * (i & 3))) & 0xffu, first, second);
-      } else {
-        first = bf16x8_to_f16x8(bt.v[7]);
-        second = bf16x8_to_f16x8(bt.v[8]);
-      }
-      store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e0, first);
-      store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e1, second);
+    for (int i = 0; i < 7; ++i) fast &= dequant_fast_ok(scale_byte(bt, i));
+    if (ballot(fast) == 0xffffffffu) {
+      store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt);
+    } else {
+      store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt);
     }
   } else {
 #pragma unroll
