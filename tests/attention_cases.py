@@ -379,3 +379,21 @@ def make_two_scale_decode_case(seed: int) -> DecodeCase:
     assert (k == 8).any() and ((k >= -14) & (k <= 7)).any(), "both exponent ranges must be present"
     return dataclasses.replace(case, kv_cache=cache)
 
+
+def make_growing_scores_prefill_case(seed: int) -> PrefillCase:
+    """A prefill case whose scores rise from one 64-token tile to the next by set amounts (natural log:
+    tile means 0, +3, +12, +13 plus noise): for kernels that move their softmax base lazily (only when
+    a tile's maximum exceeds it by more than 2^8, i.e. 5.5 in natural log) the base stays at tile 1,
+    moves at tile 2 and lags the true maximum at tile 3, which max_logits must still report."""
+    rng = np.random.default_rng(seed)
+    s_q, h_q, topk = 2, 4, 256
+    u = rng.standard_normal(512)
+    u /= np.linalg.norm(u)
+    q = 8.0 * u + 0.05 * rng.standard_normal((s_q, h_q, 512))
+    scale = 512 ** -0.5
+    level = np.repeat(np.array([0.0, 3.0, 12.0, 13.0]) / (scale * 8.0), 64)  # per token, tile by tile
+    kv = level[:, None] * u + 0.3 * rng.standard_normal((topk, 512))
+    idx = np.tile(np.arange(topk, dtype=np.int32), (s_q, 1))
+    return PrefillCase(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(idx),
+                       jnp.full((s_q,), topk, jnp.int32), scale, None)
+

@@ -39,6 +39,7 @@ from tests.attention_cases import (
     assert_close,
     make_decode_case,
     make_prefill_case,
+    make_growing_scores_prefill_case,
     make_saturating_prefill_case,
     make_two_scale_decode_case,
 )
@@ -313,6 +314,17 @@ def test_f16_operands_saturate_and_stay_finite(emu):
     assert np.abs(e_out).max() > 6e4  # the saturated values do reach the output
     assert_close(out, e_out, "prefill_out", "out")
     assert_close(lse, e_lse, "prefill_lse", "lse")
+
+
+def test_emulated_prefill_lazy_rescaling(emu):
+    # Tile maxima rise by 3, 12, 13 (natural log): the lazily moved softmax base stays, moves, then lags
+    # the true maximum; out, lse and max_logits must not notice.
+    from cuda_ffi.emulate import prefill_emulated
+
+    case = make_growing_scores_prefill_case(35)
+    _, e_ml, _ = case.expected()
+    assert np.all(np.asarray(e_ml) > 12.5)  # the last tile holds the maximum
+    case.check(prefill_emulated(_prefill_call(case)), "emulated prefill, growing scores")
 
 
 def test_emulated_decode_both_dequant_paths(emu):

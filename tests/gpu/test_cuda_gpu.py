@@ -35,6 +35,7 @@ from tests.attention_cases import (  # noqa: E402
     assert_close,
     make_decode_case,
     make_prefill_case,
+    make_growing_scores_prefill_case,
     make_saturating_prefill_case,
     make_two_scale_decode_case,
 )
@@ -206,4 +207,9 @@ def test_f16_saturation_on_device():
 def test_both_dequant_paths_on_device():
     case = make_two_scale_decode_case(34)
     case.check(*sparse_mla_decode(*case.args(), impl="cuda", **case.kwargs()), "cuda decode, two scale ranges")
+
+
+def test_lazy_rescaling_on_device():
+    case = make_growing_scores_prefill_case(35)
+    case.check(sparse_mla_prefill(*case.args(), impl="cuda", **case.kwargs()), "cuda prefill, growing scores")
 
