@@ -1,0 +1,39 @@
+"""The benchmark tools that run without a GPU: the Nsight Compute condenser on a small report."""
+
+from __future__ import annotations
+
+import csv
+
+from benchmarks import ncu_summary
+
+
+def _write(path, rows):
+    with open(path, "w", newline="") as f:
+        csv.writer(f, quoting=csv.QUOTE_ALL).writerows(rows)
+
+
+def test_ncu_summary_ranks_stalls_and_instructions(tmp_path, capsys):
+    raw = tmp_path / "raw.csv"
+    _write(raw, [
+        ["ID", "Kernel Name", "gpu__time_duration.sum",
+         "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+         "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"],
+        ["", "", "us", "", ""],
+        ["0", "dsv41_decode_kernel<1>", "555.0", "2.5", "0.75"],
+    ])
+    src = tmp_path / "sass.csv"
+    _write(src, [
+        ["Kernel Name", "dsv41_decode_kernel<1>"],
+        ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_barrier", "stall_wait"],
+        ["0x10", "BAR.SYNC 0x2, 0x180", "90", "4", "88", "2"],
+        ["0x20", "HGMMA.64x32x16.F32", "10", "4", "0", "10"],
+    ])
+    ncu_summary.main(["--raw", str(raw), "--source", str(src), "--top", "5"])
+    out = capsys.readouterr().out
+    assert "dsv41_decode_kernel<1>" in out and "555.000" in out
+    # stall reasons sorted by cycles per issued instruction
+    assert out.index("stalled_barrier") < out.index("stalled_wait")
+    assert "total samples 100" in out
+    lines = out.splitlines()
+    top = [l for l in lines if "BAR.SYNC" in l or "HGMMA" in l]
+    assert "BAR.SYNC" in top[0] and "90.0%" in top[0] and "barrier=88" in top[0]
