@@ -626,10 +626,14 @@ DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane)
 // V is the K tile read MN-major). The thread that owns a score row also owns that row of O, so
 // the rescale needs no exchange.
 DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
-  const int th = w >> 2;
-  const uint32_t qa = smem_addr(smem + kSmemQ);
+  // Operand descriptors built once per tile; each wgmma adds a constant offset (wgmma_desc_add).
+  // (Taking th through a lane-0 shuffle, to make it uniform, cost the pair kernel 8 bytes of spills.)
+  const uint32_t th = (uint32_t)(w >> 2);
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
-  const uint32_t pa = smem_addr(smem + kSmemP + buf * kSmemPBytes);
+  const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
+  const uint64_t kd = wgmma_desc(ka + 32u * 128u * th, 16, 1024);
+  const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
+  const uint64_t vd = wgmma_desc(ka + 4u * 8192u * th, 8192, 1024);
   float s[4][4];
 #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -641,7 +645,7 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
-    wgmma_m64n32k16(&s[0][0], wgmma_desc(qa + koff, 16, 1024), wgmma_desc(ka + koff + 32u * 128u * th, 16, 1024));
+    wgmma_m64n32k16(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
   }
 #endif
   wgmma_commit();
@@ -668,8 +672,7 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
 #ifndef DSV41_EXP_NO_MMA
 #pragma unroll
   for (int kk = 0; kk < kTileTokens / 16; ++kk)
-    wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc(pa + 32u * kk, 16, 1024),
-                        wgmma_desc(ka + 4u * 8192u * th + 16u * 128u * kk, 8192, 1024));
+    wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
 #endif
   wgmma_commit();
   wgmma_wait0();
