@@ -11,7 +11,7 @@
 // setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128.
 // Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
 // f16's range, magnitudes below 2^-17 round on its subnormal grid, beyond +-65504 they saturate).
-// Shared memory (params.h, 214624 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
+// Shared memory (params.h, 214880 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
 // [2 buffers][64 tokens][512], P f16 [2 buffers][64 heads][64 tokens], small f32 exchange arrays,
 // per buffer a validity mask (8 words of 8 bits), the pair's mbarriers.
 // Q and K/V use the 128-byte-swizzle layout wgmma reads (8 column blocks of [64 rows][128 B], chunk c
@@ -19,9 +19,10 @@
 //
 // Per tile (64 tokens), consumer warp w (warpgroup th = w >> 2 owns tokens 32th..32th+31 for Q K^T):
 //   S = Q K^T for rows 16 (w & 3) + g (+8), its 32 tokens; masked, scaled to the log2 domain.
-//   row max of the two token halves exchanged through smem (barrier B1); running max M, base =
-//   (M_new == -inf ? 0 : M_new), alpha = 2^(M_old - base), P = 2^(S - base), partial row sums l;
-//   P as f16 to smem (barrier B2).
+//   row max of the two token halves exchanged through smem (barrier B1); the base M moves lazily (only
+//   when the tile maximum exceeds it by more than kLazyLog2), alpha = 2^(M_old - M) when it moves and
+//   1 otherwise, P = 2^(S - M) (0 for an empty row: base 0), partial row sums l; P as f16 to smem
+//   (barrier B2).
 //   O += P V: wgmma path, warpgroup th owns dims 256th..+255 of all 64 heads (rows = its S rows, so
 //   alpha stays in registers); mma.sync path, warp w owns dims 64w..64w+63 (alpha through smem).
 // Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive, consumers
@@ -122,8 +123,8 @@ DEVFN void crew_teardown(const C&) {
   if constexpr (C::ncta == 2 && DSV41_TEST_PLANT != 3) cluster_sync();
 }
 
-// Tokens per tile one producer warp of a pair gathers (one batch of fill_tile), and the bytes it
-// stores into its peer per tile: those tokens' f16 rows + its mask word (fill_tile's st.async).
+// Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it stores into its
+// peer per tile: those tokens' f16 rows + its mask word (store_batch's st.async).
 constexpr int kPairTokensPerWarp = kTileTokens / 2 / kProducerWarps;
 static_assert(kPairTokensPerWarp == 8, "fill_tile sends one 8-token batch (one mask word) per warp and tile");
 static_assert(kTileTokens / kProducerWarps == 16, "one CTA's producer warp gathers two 8-token batches per tile");
@@ -137,14 +138,14 @@ DEVFN void peer_arrive(const C& c, int bar_off, int lane) {
   if (lane == 0) mbar_arrive(c.peer + (uint32_t)bar_off);
 }
 
-// The tokens of each tile that producer warp pw gathers: [base, base + ntok), ntok = 16 or 8.
+// The tokens of each tile that producer warp pw gathers: [base, base + 8 NB) (NB = 1 in a pair, 2
+// for one CTA; produce_tiles).
 struct Share {
-  int base, ntok;
+  int base;
 };
 template <class C>
 DEVFN Share producer_share(const C& c, int pw) {
-  return C::ncta == 2 ? Share{kTileTokens / 2 * c.rank + kPairTokensPerWarp * pw, kPairTokensPerWarp}
-                      : Share{16 * pw, 16};
+  return C::ncta == 2 ? Share{kTileTokens / 2 * c.rank + kPairTokensPerWarp * pw} : Share{16 * pw};
 }
 
 // ============================================================================== producer
@@ -658,7 +659,8 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
-  if (alpha[0] != 1.f || alpha[1] != 1.f) {
+  // warp-uniform (the .aligned wgmma fence follows): the warp rescales if any of its rows moved
+  if (ballot(alpha[0] != 1.f || alpha[1] != 1.f) != 0u) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       acc.o[i][0] *= alpha[0];

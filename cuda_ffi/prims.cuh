@@ -113,23 +113,16 @@ inline uint32_t ballot(bool p) {
   return r;
 }
 #endif
-DEVFN int64_t shfl_idx_i64(int64_t v, int src) {
-  uint32_t lo = shfl_idx_u32((uint32_t)(uint64_t)v, src);
-  uint32_t hi = shfl_idx_u32((uint32_t)((uint64_t)v >> 32), src);
-  return (int64_t)(((uint64_t)hi << 32) | lo);
-}
 
 // ------------------------------------------------------------------------------ global loads
 // Read-only (non-coherent) loads: only for buffers nothing writes during the kernel.
 #if DSV41_DEVICE
 DEVFN uint4 ldg_nc_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-DEVFN uint32_t ldg_nc_u8(const void* p) { return (uint32_t)__ldg(reinterpret_cast<const unsigned char*>(p)); }
 DEVFN uint2 ldg_nc_v2(const void* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
 DEVFN int32_t ldg_nc_s32(const int32_t* p) { return __ldg(p); }
 DEVFN float ldg_nc_f32(const float* p) { return __ldg(p); }
 #else
 inline uint4 ldg_nc_v4(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
-inline uint32_t ldg_nc_u8(const void* p) { return *reinterpret_cast<const unsigned char*>(p); }
 inline uint2 ldg_nc_v2(const void* p) { uint2 r; std::memcpy(&r, p, 8); return r; }
 inline int32_t ldg_nc_s32(const int32_t* p) { return *p; }
 inline float ldg_nc_f32(const float* p) { return *p; }
@@ -321,8 +314,11 @@ DEVFN uint32_t smem_addr(const void* p) {
 // waits acquire at CTA scope (the PTX defaults, as CUTLASS's cluster pipelines use them):
 //  * PFULL (st.async + complete_tx): the transaction mechanism makes the peer's stores visible to
 //    the threads that observe the phase; no cross-CTA release/acquire is needed for them.
-//  * PEMPTY (remote arrivals of the peer's consumer warps): each arrives after wgmma.wait_group, so
-//    the peer's reads of the buffer have completed, not merely been ordered, before the arrival.
+//  * PEMPTY (remote arrivals of the peer's consumer warps): each arrives after wgmma.wait_group (and,
+//    on the mma.sync path, after the ldmatrix results were used; the mask words were read before the
+//    softmax), so the peer's reads of the buffer have completed, not merely been ordered, before the
+//    arrival. Strictly, the PTX memory model calls a CTA-scope release/acquire pair across CTAs not
+//    morally strong; like CUTLASS and FlashMLA this relies on the reads being complete.
 // Cluster-scope semantics cost a MEMBAR.ALL.GPU per remote arrival and an L1 invalidation
 // (CCTL.IVALL, which also waits for every outstanding load) per wait: Nsight Compute put 8% of the
 // pair decode's samples there (benchmarks/RESULTS.md, "cuda decode profile").

@@ -356,34 +356,42 @@ def make_saturating_prefill_case(seed: int) -> tuple[PrefillCase, PrefillCase]:
     return big, sat
 
 
-def make_two_scale_decode_case(seed: int) -> DecodeCase:
+def make_two_scale_decode_case(seed: int, h_q: int = 8, tiny: bool = False) -> DecodeCase:
     """An fp8_ds_mla decode case whose selected tokens are half unit-scale (UE8M0 exponent k ~ -8) and
     half positive with x up to 59904 (every 64-dim tile's amax pinned there: k = 8, still inside f16's
     range; positive, so no output cancels large terms, which FlashMLA's tolerance does not allow
-    for). Kernels that dequantize k in [-14, 7] and other k differently exercise both paths."""
-    case = make_decode_case(seed, b=2, s_q=2, h_q=8, topk=128, fmt="fp8_ds_mla", lengths="full")
+    for). Kernels that dequantize k in [-14, 7] and other k differently exercise both paths.
+    tiny: every selected token instead has |x| <= 2^-11 (k <= -19, below the f16 fast path's range),
+    so the output itself is tiny and a token dequantized on the wrong path is visible."""
+    case = make_decode_case(seed, b=2, s_q=2, h_q=h_q, topk=128, fmt="fp8_ds_mla", lengths="full")
     idx = np.asarray(case.indices)
     cap = case.kv_cache.shape[0] * case.block_size
     slots = np.unique(idx[(idx >= 0) & (idx < cap)])
     rng = np.random.default_rng(seed + 1)
     rows = rng.uniform(-1, 1, (slots.size, 512))
-    big = rng.random(slots.size) < 0.5
-    rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
-    rows[big, ::64] = 59904.0
+    if tiny:
+        rows *= 2.0 ** -11
+    else:
+        big = rng.random(slots.size) < 0.5
+        rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
+        rows[big, ::64] = 59904.0
     cache = kvc.insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), jnp.asarray(slots, jnp.int32),
                        fmt="fp8_ds_mla", block_size=case.block_size)
     pages = np.asarray(cache).reshape(cache.shape[0], -1)
     scale_bytes = pages[:, case.block_size * 576:case.block_size * 584].reshape(-1, 8)[:, :7]
     blk, off = np.divmod(slots, case.block_size)
     k = scale_bytes.reshape(cache.shape[0], case.block_size, 7)[blk, off].astype(int) - 127
-    assert (k == 8).any() and ((k >= -14) & (k <= 7)).any(), "both exponent ranges must be present"
+    if tiny:
+        assert (k <= -15).all(), "every selected token below the fast path's range"
+    else:
+        assert (k == 8).any() and ((k >= -14) & (k <= 7)).any(), "both exponent ranges must be present"
     return dataclasses.replace(case, kv_cache=cache)
 
 
 def make_growing_scores_prefill_case(seed: int) -> PrefillCase:
     """A prefill case whose scores rise from one 64-token tile to the next by set amounts (natural log:
     tile means 0, +3, +12, +13 plus noise): for kernels that move their softmax base lazily (only when
-    a tile's maximum exceeds it by more than 2^8, i.e. 5.5 in natural log) the base stays at tile 1,
+    a tile's maximum exceeds it by more than a factor 2^8, i.e. 5.5 in natural log) the base stays at tile 1,
     moves at tile 2 and lags the true maximum at tile 3, which max_logits must still report."""
     rng = np.random.default_rng(seed)
     s_q, h_q, topk = 2, 4, 256

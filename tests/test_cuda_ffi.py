@@ -327,8 +327,11 @@ def test_emulated_prefill_lazy_rescaling(emu):
     case.check(prefill_emulated(_prefill_call(case)), "emulated prefill, growing scores")
 
 
-def test_emulated_decode_both_dequant_paths(emu):
-    _check_decode(make_two_scale_decode_case(34), num_sms=4)
+@pytest.mark.parametrize("h_q,tiny", [(8, False), (128, False), (128, True)])
+def test_emulated_decode_both_dequant_paths(emu, h_q, tiny):
+    # h_q = 128: the paired kernel's producers (each warp's warp-uniform choice of dequantisation loop);
+    # tiny: exponents k <= -19, where the f16 fast path would be wrong
+    _check_decode(make_two_scale_decode_case(34, h_q=h_q, tiny=tiny), num_sms=4)
 
 
 def test_emulated_decode_lengths_past_topk_and_poison(emu):

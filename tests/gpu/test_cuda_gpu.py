@@ -204,8 +204,9 @@ def test_f16_saturation_on_device():
     assert_close(lse, e_lse, "prefill_lse", "lse")
 
 
-def test_both_dequant_paths_on_device():
-    case = make_two_scale_decode_case(34)
+@pytest.mark.parametrize("h_q,tiny", [(8, False), (128, False), (128, True)])
+def test_both_dequant_paths_on_device(h_q, tiny):
+    case = make_two_scale_decode_case(34, h_q=h_q, tiny=tiny)
     case.check(*sparse_mla_decode(*case.args(), impl="cuda", **case.kwargs()), "cuda decode, two scale ranges")
 
 
