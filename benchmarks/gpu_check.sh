@@ -14,7 +14,8 @@
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
 #                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither, decode
-#                 without head-group pairs, the pair's proxy fence on the producer side) and for
+#                 without head-group pairs, the pair's proxy fence on the producer side, FlashMLA's
+#                 consumer split: warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
@@ -52,7 +53,8 @@ for s in "${stages[@]}"; do
     cuda-ablation)
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
-               "no_pair:--define DSV41_EXP_NO_PAIR" "pair_fence:--define DSV41_EXP_PAIR_PRODUCER_FENCE"; do
+               "no_pair:--define DSV41_EXP_NO_PAIR" "pair_fence:--define DSV41_EXP_PAIR_PRODUCER_FENCE" \
+               "wg_split:--define DSV41_EXP_WG_SPLIT"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

@@ -60,6 +60,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Named barriers: the whole CTA, the 256 consumers, FULL b = 2 + b, EMPTY b = 4 + b.
 enum : int { kBarCta = 0, kBarConsumers = 1, kBarFull0 = 2, kBarEmpty0 = 4 };
+// DSV41_EXP_WG_SPLIT consumers only: P[b] written (warpgroup 0 arrives, 1 syncs), warpgroup 0 alone.
+enum : int { kBarPReady0 = 6, kBarWg0 = 8 };
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -763,12 +765,128 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
   // caller may release the buffer (release_tile).
 }
 
-DEVFN void consume_tile(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
-  if constexpr (kWgmma)
-    consume_tile_wgmma(smem, buf, acc, scale_log2, w, lane);
-  else
-    consume_tile_mma_sync(smem, buf, acc, scale_log2, w, lane);
+#if defined(DSV41_EXP_WG_SPLIT) && DSV41_WGMMA
+// Experiment (not measured yet): FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
+// computes S for the whole tile (m64n64k16: no row-max exchange, two thirds of the operand bytes of
+// two m64n32 halves), the softmax, P into shared memory with the per-row alpha, and O[:, 0:256];
+// warpgroup 1 only rescales and adds P V into O[:, 256:512], so its PV of tile n runs while
+// warpgroup 0 computes S of tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
+// adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);
+// reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
+// released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. (The
+// emulator builds with this define: test_emulated_wg_split_consumers.)
+DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
+  const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
+  const int r0 = 16 * (w & 3) + g;
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
+  float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;  // [2][64]: no row-max exchange here
+  float alpha[2] = {1.f, 1.f};
+  if (th == 0) {
+    const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
+    const uint64_t kd = wgmma_desc(ka, 16, 1024);
+    float s[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+    reg_fence<32>(&s[0][0]);
+    wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
+      wgmma_m64n64k16(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
+    }
+#endif
+    wgmma_commit();
+    wgmma_wait0();
+    reg_fence<32>(&s[0][0]);
+    // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale, row maxima within the quad
+    const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
+    const float ninf = -finf();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t bits = vw[j] >> (2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float mt = ninf;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mt = fmaxf(mt, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
+      mt = fmaxf(mt, shfl_xor_f32(mt, 1));
+      mt = fmaxf(mt, shfl_xor_f32(mt, 2));
+      acc.mtrue[hr] = fmaxf(acc.mtrue[hr], mt);
+      const bool move = mt > acc.m[hr] + kLazyLog2;
+      const float mnew = move ? mt : acc.m[hr];
+      const float base = (mnew == ninf) ? 0.f : mnew;
+      alpha[hr] = move ? fexp2(acc.m[hr] - base) : 1.f;
+      acc.m[hr] = mnew;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p0 = fexp2(s[j][2 * hr] - base), p1 = fexp2(s[j][2 * hr + 1] - base);
+        s[j][2 * hr] = p0;
+        s[j][2 * hr + 1] = p1;
+        sum += p0 + p1;
+      }
+      acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
+    }
+    char* ps = smem + kSmemP + buf * kSmemPBytes;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, j) + 4 * t) = pack_f16x2(s[j][2 * hr], s[j][2 * hr + 1]);
+    if (t == 0) {
+      alpha_b[r0] = alpha[0];
+      alpha_b[r0 + 8] = alpha[1];
+    }
+    fence_proxy_async();
+    bar_arrive(kBarPReady0 + buf, kConsumerThreads);
+    bar_sync(kBarWg0, kConsumerThreads / 2);  // all of warpgroup 0's P for its own wgmma
+  } else {
+    bar_sync(kBarPReady0 + buf, kConsumerThreads);
+    alpha[0] = alpha_b[r0];
+    alpha[1] = alpha_b[r0 + 8];
+  }
+  if (ballot(alpha[0] != 1.f || alpha[1] != 1.f) != 0u) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      acc.o[i][0] *= alpha[0];
+      acc.o[i][1] *= alpha[0];
+      acc.o[i][2] *= alpha[1];
+      acc.o[i][3] *= alpha[1];
+    }
+  }
+  reg_fence<128>(&acc.o[0][0]);
+  wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA
+  const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
+  const uint64_t vd = wgmma_desc(ka + 4u * 8192u * (uint32_t)th, 8192, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kTileTokens / 16; ++kk)
+    wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
+#endif
+  wgmma_commit();
+  wgmma_wait0();
+  reg_fence<128>(&acc.o[0][0]);
 }
+#endif
+
+// tc: the tile's index in the CTA's sequence (buffer tc & 1).
+DEVFN void consume_tile(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
+#if defined(DSV41_EXP_WG_SPLIT) && DSV41_WGMMA
+  consume_tile_split(smem, tc, acc, scale_log2, w, lane);
+#else
+  if constexpr (kWgmma)
+    consume_tile_wgmma(smem, tc & 1, acc, scale_log2, w, lane);
+  else
+    consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
+#endif
+}
+
 
 // Row statistics of the finished segment to smem; returns after the consumer barrier (B3).
 DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
@@ -944,7 +1062,7 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     acc_reset(acc);
     for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
       await_tile(crew, tc);
-      consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
+      consume_tile(smem, tc, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);
@@ -1187,7 +1305,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     acc_reset(acc);
     for (int tc = 0; tc < ntiles; ++tc) {
       await_tile(crew, tc);
-      consume_tile(smem, tc & 1, acc, p.scale_log2, w, lane);
+      consume_tile(smem, tc, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);

@@ -13,7 +13,11 @@ constexpr int kConsumerWarps = 8;
 constexpr int kProducerWarps = 4;  // one warpgroup: setmaxnreg needs whole warpgroups
 constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
 constexpr int kProducerRegs = 128;  // setmaxnreg: 2 x 184 + 128 = 496 <= 512 registers per lane slot
+#ifdef DSV41_EXP_WG_SPLIT
+constexpr int kConsumerRegs = 192;  // 2 x 192 + 128 = 512
+#else
 constexpr int kConsumerRegs = 184;
+#endif
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
 constexpr int kPlanThreads = 32;                                  // the split planner: one warp
 constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)

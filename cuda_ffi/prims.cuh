@@ -558,6 +558,14 @@ DEVFN void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) {
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(da), "l"(db), "r"(1));
 }
+// d[32] += A[64x16] * B[16x64] (both K-major from shared memory)
+DEVFN void wgmma_m64n64k16(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(1));
+}
 // d[128] += A[64x16] (K-major) * B[16x256] (MN-major: transpose bit set)
 DEVFN void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) {
   asm volatile(
@@ -574,6 +582,7 @@ DEVFN void reg_fence(float*) {}
 #if DSV41_DEVICE  // builds without wgmma (sm_100a, DSV41_FORCE_MMA_SYNC) never call these
 DEVFN void wgmma_wait0() {}
 DEVFN void wgmma_m64n32k16(float*, uint64_t, uint64_t) { __trap(); }
+DEVFN void wgmma_m64n64k16(float*, uint64_t, uint64_t) { __trap(); }
 DEVFN void wgmma_m64n256k16_tb(float*, uint64_t, uint64_t) { __trap(); }
 #else
 namespace wgemu {
@@ -638,6 +647,7 @@ inline void wait_all() {
 }  // namespace wgemu
 inline void wgmma_wait0() { wgemu::wait_all(); }
 inline void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 32, da, db, false); }
+inline void wgmma_m64n64k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 64, da, db, false); }
 inline void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 256, da, db, true); }
 #endif
 #endif

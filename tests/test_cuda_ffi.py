@@ -281,6 +281,36 @@ def test_emulator_catches_planted_pair_bugs(plant, what, tmp_path):
         assert "emu:" in out or "AssertionError" in out, out[-3000:]
 
 
+_SPLIT_SCRIPT = '''
+import sys
+import cuda_ffi.emulate as E
+E.load(path=sys.argv[1])
+from tests.attention_cases import make_decode_case, make_prefill_case, make_growing_scores_prefill_case
+from tests.test_cuda_ffi import _decode_call, _prefill_call, PAIR_CASES
+cases = [(make_decode_case(51, b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
+         (make_decode_case(52, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2)]
+cases += [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
+for i, (c, n) in enumerate(cases):
+    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=1 + i), f"split decode {i}")
+for c in (make_prefill_case(32, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf"), make_growing_scores_prefill_case(35)):
+    c.check(E.prefill_emulated(_prefill_call(c)), "split prefill")
+print("SPLIT-OK")
+'''
+
+
+def test_emulated_wg_split_consumers(tmp_path):
+    # The DSV41_EXP_WG_SPLIT experiment (warpgroup 0: S, softmax, O[:, :256]; warpgroup 1: O[:, 256:]),
+    # built into its own emulator: single CTAs, pairs, split requests, bf16 and fp8, prefill.
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_WG_SPLIT",))
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "SPLIT-OK" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("kw,num_sms", [
     (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
     (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
