@@ -552,6 +552,32 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
   bar_sync(kBarConsumers, kConsumerThreads);
 }
 
+// Online-softmax update of row hr (this tile's maximum mt, log2 domain) with the lazy base: returns
+// the base of P = 2^(S - base) and sets alpha, the factor for the row's O and l.
+DEVFN float lazy_row_update(Acc& acc, int hr, float mt, float& alpha) {
+  acc.mtrue[hr] = fmaxf(acc.mtrue[hr], mt);
+  const bool move = mt > acc.m[hr] + kLazyLog2;  // from a -inf base: any finite maximum
+  const float mnew = move ? mt : acc.m[hr];
+  const float base = (mnew == -finf()) ? 0.f : mnew;  // keeps (-inf) - (-inf) out
+  alpha = move ? fexp2(acc.m[hr] - base) : 1.f;       // 0 when moving off -inf
+  acc.m[hr] = mnew;
+  return base;
+}
+
+// O *= alpha (rows r0 / r0 + 8 of the wgmma layout), skipped unless a row of the warp moved its base;
+// warp-uniform because the .aligned wgmma fence follows.
+DEVFN void rescale_o(Acc& acc, const float (&alpha)[2]) {
+  if (ballot(alpha[0] != 1.f || alpha[1] != 1.f) != 0u) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      acc.o[i][0] *= alpha[0];
+      acc.o[i][1] *= alpha[0];
+      acc.o[i][2] *= alpha[1];
+      acc.o[i][3] *= alpha[1];
+    }
+  }
+}
+
 // S (16 scores per thread, QK-role layout) -> masked, scaled to the log2 domain; exchange of the row
 // maxima between the two token halves (barrier B1); online-softmax update of m, l; returns
 // alpha (rescale factor of rows r0, r0 + 8) and leaves P = 2^(S - base) in s.
@@ -590,13 +616,7 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = r0 + 8 * hr;
-    const float mt = fmaxf(rmax[r], rmax[64 + r]);
-    acc.mtrue[hr] = fmaxf(acc.mtrue[hr], mt);
-    const bool move = mt > acc.m[hr] + kLazyLog2;  // from a -inf base: any finite maximum
-    const float mnew = move ? mt : acc.m[hr];
-    const float base = (mnew == ninf) ? 0.f : mnew;  // keeps (-inf) - (-inf) out
-    alpha[hr] = move ? fexp2(acc.m[hr] - base) : 1.f;  // 0 when moving off -inf
-    acc.m[hr] = mnew;
+    const float base = lazy_row_update(acc, hr, fmaxf(rmax[r], rmax[64 + r]), alpha[hr]);
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -661,16 +681,7 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
-  // warp-uniform (the .aligned wgmma fence follows): the warp rescales if any of its rows moved
-  if (ballot(alpha[0] != 1.f || alpha[1] != 1.f) != 0u) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      acc.o[i][0] *= alpha[0];
-      acc.o[i][1] *= alpha[0];
-      acc.o[i][2] *= alpha[1];
-      acc.o[i][3] *= alpha[1];
-    }
-  }
+  rescale_o(acc, alpha);
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -817,12 +828,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
       for (int j = 0; j < 8; ++j) mt = fmaxf(mt, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
       mt = fmaxf(mt, shfl_xor_f32(mt, 1));
       mt = fmaxf(mt, shfl_xor_f32(mt, 2));
-      acc.mtrue[hr] = fmaxf(acc.mtrue[hr], mt);
-      const bool move = mt > acc.m[hr] + kLazyLog2;
-      const float mnew = move ? mt : acc.m[hr];
-      const float base = (mnew == ninf) ? 0.f : mnew;
-      alpha[hr] = move ? fexp2(acc.m[hr] - base) : 1.f;
-      acc.m[hr] = mnew;
+      const float base = lazy_row_update(acc, hr, mt, alpha[hr]);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -851,15 +857,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     alpha[0] = alpha_b[r0];
     alpha[1] = alpha_b[r0 + 8];
   }
-  if (ballot(alpha[0] != 1.f || alpha[1] != 1.f) != 0u) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      acc.o[i][0] *= alpha[0];
-      acc.o[i][1] *= alpha[0];
-      acc.o[i][2] *= alpha[1];
-      acc.o[i][3] *= alpha[1];
-    }
-  }
+  rescale_o(acc, alpha);
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
