@@ -643,6 +643,47 @@ DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane)
           pack_f16x2(s[j][2 * hr], s[j][2 * hr + 1]);
 }
 
+// S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
+// Q and K from shared memory through the descriptors of their first 16 dims; returns with the
+// products in s.
+template <int N>
+DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+  reg_fence<N / 2>(&s[0][0]);
+  wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA  // experiment: no tensor-core work, everything else unchanged
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
+    if constexpr (N == 32)
+      wgmma_m64n32k16(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
+    else
+      wgmma_m64n64k16(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
+  }
+#endif
+  wgmma_commit();
+  wgmma_wait0();
+  reg_fence<N / 2>(&s[0][0]);
+}
+
+// O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
+// memory through descriptors pd / vd); O already rescaled; returns with O updated.
+DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
+  reg_fence<128>(&acc.o[0][0]);
+  wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA
+#pragma unroll
+  for (int kk = 0; kk < kTileTokens / 16; ++kk)
+    wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
+#endif
+  wgmma_commit();
+  wgmma_wait0();
+  reg_fence<128>(&acc.o[0][0]);
+}
+
 // sm_90a: warpgroup MMAs. Warpgroup th = w >> 2 computes S for tokens 32th..32th+31 of all 64
 // heads (m64n32k16 x 32 k-steps over the 512 dims, Q and K from shared memory), and then O for
 // dims 256th..256th+255 of all 64 heads (m64n256k16 x 4 token steps, P and V from shared memory:
@@ -658,22 +699,7 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
   const uint64_t vd = wgmma_desc(ka + 4u * 8192u * th, 8192, 1024);
   float s[4][4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-  reg_fence<16>(&s[0][0]);
-  wgmma_fence();
-#ifndef DSV41_EXP_NO_MMA  // experiment: no tensor-core work, everything else unchanged
-#pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
-    wgmma_m64n32k16(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
-  }
-#endif
-  wgmma_commit();
-  wgmma_wait0();
-  reg_fence<16>(&s[0][0]);
+  qk_wgmma<32>(s, qd, kd);
 
   float alpha[2];
   softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
@@ -682,16 +708,7 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
   rescale_o(acc, alpha);
-  reg_fence<128>(&acc.o[0][0]);
-  wgmma_fence();
-#ifndef DSV41_EXP_NO_MMA
-#pragma unroll
-  for (int kk = 0; kk < kTileTokens / 16; ++kk)
-    wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
-#endif
-  wgmma_commit();
-  wgmma_wait0();
-  reg_fence<128>(&acc.o[0][0]);
+  pv_wgmma(acc, pd, vd);
   // The tile's operands have been read: the caller releases the buffer (release_tile).
 }
 
@@ -796,22 +813,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
     const uint64_t kd = wgmma_desc(ka, 16, 1024);
     float s[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-    reg_fence<32>(&s[0][0]);
-    wgmma_fence();
-#ifndef DSV41_EXP_NO_MMA
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
-      wgmma_m64n64k16(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
-    }
-#endif
-    wgmma_commit();
-    wgmma_wait0();
-    reg_fence<32>(&s[0][0]);
+    qk_wgmma<64>(s, qd, kd);
     // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale, row maxima within the quad
     const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
     const float ninf = -finf();
@@ -858,18 +860,8 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     alpha[1] = alpha_b[r0 + 8];
   }
   rescale_o(acc, alpha);
-  reg_fence<128>(&acc.o[0][0]);
-  wgmma_fence();
-#ifndef DSV41_EXP_NO_MMA
-  const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
-  const uint64_t vd = wgmma_desc(ka + 4u * 8192u * (uint32_t)th, 8192, 1024);
-#pragma unroll
-  for (int kk = 0; kk < kTileTokens / 16; ++kk)
-    wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
-#endif
-  wgmma_commit();
-  wgmma_wait0();
-  reg_fence<128>(&acc.o[0][0]);
+  pv_wgmma(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
+           wgmma_desc(ka + 4u * 8192u * (uint32_t)th, 8192, 1024));
 }
 #endif
 
