@@ -19,9 +19,11 @@
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
-#   ncu           Nsight Compute (--clock-control none) over one call of the decode and the prefill
-#                 kernels ($NCU_CASES, default decode_headline_h128,prefill_h128_topk2048): a report
-#                 per case, its details page and its per-instruction source page (SASS + CUDA lines)
+#   ncu           Nsight Compute (--clock-control none) over one call of the attention kernel per case
+#                 ($NCU_CASES, default decode_headline_h128; prefill_h128_topk2048 crashed Python with
+#                 signal 11 under ncu on 2026-11-30): a report per case, its details page and its
+#                 per-instruction source page (SASS + CUDA lines). Five files per case: the device
+#                 tool returns at most 8 from $OUT, so point OUT elsewhere and pack what you need.
 # Logs, JSON, the roofline PNG and benchmark rows for benchmarks/RESULTS.md go to $OUT (default gpu_out/).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +65,7 @@ for s in "${stages[@]}"; do
           --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill)" | tee -a "$OUT/ablation.log"
       done ;;
     ncu)
-      for c in $(echo "${NCU_CASES:-decode_headline_h128,prefill_h128_topk2048}" | tr , ' '); do
+      for c in $(echo "${NCU_CASES:-decode_headline_h128}" | tr , ' '); do
         run timeout 400 ncu --clock-control none --set full --import-source yes -k regex:"dsv41_(decode|prefill)_kernel" \
           --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_$c" $PY -m benchmarks.sparse_mla --cases "$c" --impls cuda \
           --sets 1 --iterations 2 --timer wall --out "$OUT/ncu_bench_$c" > "$OUT/ncu_$c.log" 2>&1
