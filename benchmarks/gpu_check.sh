@@ -15,7 +15,8 @@
 #   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
 #                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither, decode
 #                 without head-group pairs, the pair's proxy fence on the producer side, FlashMLA's
-#                 consumer split: warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) and for
+#                 consumer split (warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) for
+#                 decode (wg_split) / symmetric consumers for prefill (no_wg_split)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
@@ -56,13 +57,13 @@ for s in "${stages[@]}"; do
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
                "no_pair:--define DSV41_EXP_NO_PAIR" "pair_fence:--define DSV41_EXP_PAIR_PRODUCER_FENCE" \
-               "wg_split:--define DSV41_EXP_WG_SPLIT"; do
+               "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"
         $PY -m cuda_ffi.build --archs 90a --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" $flags > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
         DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
-          --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill)" | tee -a "$OUT/ablation.log"
+          --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
       done ;;
     ncu)
       for c in $(echo "${NCU_CASES:-decode_headline_h128}" | tr , ' '); do

@@ -8,7 +8,11 @@
 //   warps 0..7  consumers: sm_90a wgmma (consume_tile_wgmma), sm_100a mma.sync (consume_tile_mma_sync)
 //   warps 8..11 producers (gather the selected KV rows of each 64-token tile, all 64 or, in a
 //               2-CTA pair, 32 of them; dequantize fp8 -> f16)
-// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128.
+// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (split
+// consumers, prefill's default: 192 and 120; params.h).
+// Consumers, two shapes (Crew::split): symmetric (below: decode's default, and the sm_100a build's
+// mma.sync path) or FlashMLA's split (consume_tile_split: warpgroup 0 S + softmax + O[:, :256],
+// warpgroup 1 O[:, 256:]; prefill's default on sm_90a).
 // Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
 // f16's range, magnitudes below 2^-17 round on its subnormal grid, beyond +-65504 they saturate).
 // Shared memory (params.h, 214880 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
@@ -60,8 +64,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Named barriers: the whole CTA, the 256 consumers, FULL b = 2 + b, EMPTY b = 4 + b.
 enum : int { kBarCta = 0, kBarConsumers = 1, kBarFull0 = 2, kBarEmpty0 = 4 };
-// DSV41_EXP_WG_SPLIT consumers only: P[b] written (warpgroup 0 arrives, 1 syncs), warpgroup 0 alone.
-enum : int { kBarPReady0 = 6, kBarWg0 = 8 };
+// Split consumers only (consume_tile_split): P[b] written (warpgroup 0 arrives, 1 syncs), warpgroup 0
+// alone, and FULL b for warpgroup 1 (FULL b is then warpgroup 0's: each warpgroup waits for the tile
+// on its own, so warpgroup 0 can start tile n + 1 while warpgroup 1 is still in tile n).
+enum : int { kBarPReady0 = 6, kBarWg0 = 8, kBarFullWg1_0 = 9 };
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -88,9 +94,15 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // measured slower than one CTA gathering everything (RESULTS.md, "cuda head-group pairs").
 // A compile-time property of the kernel (two instantiations), so a single CTA's code carries no
 // cluster instructions or pair branches.
-template <bool kPair>
+// kSplit: the consumers' roles. false: two symmetric warpgroups (each S for 32 of a tile's tokens,
+// a row-max exchange, O[:, 256 w]); true: FlashMLA's split (consume_tile_split). wgmma builds only.
+template <bool kPair, bool kSplit = false>
 struct Crew {
   static constexpr int ncta = kPair ? 2 : 1;
+  static constexpr bool split = kSplit && kWgmma;
+  static constexpr int producer_regs = split ? kSplitProducerRegs : kProducerRegs;
+  static constexpr int consumer_regs = split ? kSplitConsumerRegs : kConsumerRegs;
+  static constexpr int full_count = split ? 256 : kThreads;  // FULL b: producers + the consumers waiting
   int rank;       // in the cluster
   uint32_t peer;  // cluster address of the peer's shared-memory base (pairs)
 };
@@ -100,9 +112,9 @@ DEVFN int bar_pempty(int buf) { return kSmemBars + 16 + 8 * buf; }
 
 // Every thread of the CTA: mbarrier initialisation (pairs), then a barrier over the crew (no CTA
 // touches its peer before the peer's mbarriers exist).
-template <bool kPair>
-DEVFN Crew<kPair> crew_setup(char* smem) {
-  Crew<kPair> c{0, 0u};
+template <bool kPair, bool kSplit = false>
+DEVFN Crew<kPair, kSplit> crew_setup(char* smem) {
+  Crew<kPair, kSplit> c{0, 0u};
   if constexpr (kPair) {
     c.rank = cluster_rank();
     if (thread_idx() == 0) {
@@ -473,7 +485,8 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
       fence_proxy_async();
 #endif
     }
-    bar_arrive(kBarFull0 + buf, kThreads);
+    bar_arrive(kBarFull0 + buf, C::full_count);
+    if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
     t0 = t1;
     a0 = a1;
     t1 = t2;
@@ -486,8 +499,8 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
 
 // Consumers, before reading tile tc / after their last read of it.
 template <class C>
-DEVFN void await_tile(const C&, int tc) {
-  bar_sync(kBarFull0 + (tc & 1), kThreads);
+DEVFN void await_tile(const C&, int tc, int w) {
+  bar_sync((C::split && w >= 4 ? kBarFullWg1_0 : kBarFull0) + (tc & 1), C::full_count);
   // pairs: this thread's view of the peer's stores (observed through the producers' PFULL wait),
   // for its wgmma operand reads
 #ifndef DSV41_EXP_PAIR_PRODUCER_FENCE
@@ -793,16 +806,16 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
   // caller may release the buffer (release_tile).
 }
 
-#if defined(DSV41_EXP_WG_SPLIT) && DSV41_WGMMA
-// Experiment (not measured yet): FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
+#if DSV41_WGMMA
+// FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
 // computes S for the whole tile (m64n64k16: no row-max exchange, two thirds of the operand bytes of
 // two m64n32 halves), the softmax, P into shared memory with the per-row alpha, and O[:, 0:256];
 // warpgroup 1 only rescales and adds P V into O[:, 256:512], so its PV of tile n runs while
 // warpgroup 0 computes S of tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
 // adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
-// released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. (The
-// emulator builds with this define: test_emulated_wg_split_consumers.)
+// released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's
+// default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_wg_split_consumers).
 DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;
@@ -865,16 +878,33 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
 }
 #endif
 
-// tc: the tile's index in the CTA's sequence (buffer tc & 1).
-DEVFN void consume_tile(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
-#if defined(DSV41_EXP_WG_SPLIT) && DSV41_WGMMA
-  consume_tile_split(smem, tc, acc, scale_log2, w, lane);
+// Which consumers each kernel uses (measured on the H200, RESULTS.md "cuda split consumers"): the split
+// wins for prefill (5878 -> 5412 us) and loses for the paired decode (534 -> 550 us, whose producers
+// and pair hand-off are the limit). DSV41_EXP_WG_SPLIT / DSV41_EXP_NO_WG_SPLIT flip them for ablations.
+#ifdef DSV41_EXP_WG_SPLIT
+constexpr bool kDecodeSplit = true;
 #else
+constexpr bool kDecodeSplit = false;
+#endif
+#ifdef DSV41_EXP_NO_WG_SPLIT
+constexpr bool kPrefillSplit = false;
+#else
+constexpr bool kPrefillSplit = true;
+#endif
+
+// tc: the tile's index in the CTA's sequence (buffer tc & 1).
+template <class C>
+DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
+#if DSV41_WGMMA
+  if constexpr (C::split) {
+    consume_tile_split(smem, tc, acc, scale_log2, w, lane);
+    return;
+  }
+#endif
   if constexpr (kWgmma)
     consume_tile_wgmma(smem, tc & 1, acc, scale_log2, w, lane);
   else
     consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
-#endif
 }
 
 
@@ -1051,8 +1081,8 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
     for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
-      await_tile(crew, tc);
-      consume_tile(smem, tc, acc, p.scale_log2, w, lane);
+      await_tile(crew, tc, w);
+      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);
@@ -1074,7 +1104,7 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
 template <bool kPair>
 DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const Crew<kPair> crew = crew_setup<kPair>(smem);
+  const auto crew = crew_setup<kPair, kDecodeSplit>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t rest = bid / p.num_groups;
@@ -1083,10 +1113,10 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   const DecodeWork wk = decode_work(p, part);
   const int w = warp_idx(), lane = lane_idx();
   if (w >= kConsumerWarps) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<crew.producer_regs>();
     decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
   } else {
-    setmaxnreg_inc<kConsumerRegs>();
+    setmaxnreg_inc<crew.consumer_regs>();
     decode_consumers(p, wk, smem, crew, group, s, w, lane);
   }
   crew_teardown(crew);
@@ -1271,7 +1301,7 @@ DEVFN void combine_cta(const DecodeParams& p) {
 // the halved gather saves (measured 8.1 ms paired vs 6.5 ms single, RESULTS.md cuda pair ablation).
 DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const Crew<false> crew = crew_setup<false>(smem);
+  const auto crew = crew_setup<false, kPrefillSplit>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;
@@ -1279,7 +1309,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   const int len = clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk);
   const int ntiles = (len + kTileTokens - 1) / kTileTokens;
   if (w >= kConsumerWarps) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<crew.producer_regs>();
     int tn = 0;
     auto next = [&]() -> TileSrc {
       TileSrc t{s, len, tn * kTileTokens, tn < ntiles, false};
@@ -1288,14 +1318,14 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     };
     produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
   } else {
-    setmaxnreg_inc<kConsumerRegs>();
+    setmaxnreg_inc<crew.consumer_regs>();
     Acc acc;
     const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
     if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
     for (int tc = 0; tc < ntiles; ++tc) {
-      await_tile(crew, tc);
-      consume_tile(smem, tc, acc, p.scale_log2, w, lane);
+      await_tile(crew, tc, w);
+      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
     publish_row_stats(smem, acc, w, lane);

@@ -12,12 +12,20 @@ constexpr int kTileTokens = 64;     // tokens of one K/V tile (and one split-pla
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerWarps = 4;  // one warpgroup: setmaxnreg needs whole warpgroups
 constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
-constexpr int kProducerRegs = 128;  // setmaxnreg: 2 x 184 + 128 = 496 <= 512 registers per lane slot
-#ifdef DSV41_EXP_WG_SPLIT
-constexpr int kConsumerRegs = 192;  // 2 x 192 + 128 = 512
-#else
+// setmaxnreg only moves registers inside the CTA's launch allocation: __launch_bounds__(384, 1)
+// gives every thread 168 (65536 / 384, rounded down to a multiple of 8), so the warpgroups' sum
+// must stay <= 3 x 168 = 504 per lane slot, or setmaxnreg.inc waits forever (a hang, not an error:
+// the first split-consumer build asked for 128 + 2 x 192 = 512 and hung on the H200).
+constexpr int kLaunchRegs = 168;
+constexpr int kProducerRegs = 128;       // symmetric consumers: 128 + 2 x 184 = 496
 constexpr int kConsumerRegs = 184;
-#endif
+constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
+constexpr int kSplitConsumerRegs = 192;
+constexpr bool regs_fit(int producer, int consumer) {
+  return kProducerWarps * producer + kConsumerWarps * consumer <= (kProducerWarps + kConsumerWarps) * kLaunchRegs;
+}
+static_assert(regs_fit(kProducerRegs, kConsumerRegs) && regs_fit(kSplitProducerRegs, kSplitConsumerRegs),
+              "setmaxnreg asks for more registers than the launch allocation holds");
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
 constexpr int kPlanThreads = 32;                                  // the split planner: one warp
 constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)
