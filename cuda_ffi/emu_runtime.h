@@ -85,7 +85,25 @@ struct Fiber {
   void* sp = nullptr;  // saved stack pointer (fast switch)
   int tid = 0;
   bool done = false;
-  std::vector<std::pair<float*, std::vector<float>>> wgmma_pending;  // accumulators of wgmmas not yet waited on
+  // wgmmas not yet waited on, by commit group (oldest first; only the last may still be open): the
+  // values their accumulators will hold, and a checksum of the shared-memory operands each read at
+  // issue, compared again at the wait (an operand overwritten while in flight fails there).
+  struct WgAcc {
+    float* d;
+    std::vector<float> v;
+  };
+  struct WgRead {
+    uint64_t da, db;
+    int n;
+    bool b_trans;
+    uint64_t sum;
+  };
+  struct WgGroup {
+    bool open = true;
+    std::vector<WgAcc> acc;
+    std::vector<WgRead> reads;
+  };
+  std::vector<WgGroup> wgmma_groups;
   bool cluster_synced = false;  // the last synchronisation was a cluster barrier
 };
 
@@ -171,8 +189,6 @@ inline void bar_count(Bar& b, int n, int who, int slots) {
 inline void bar_arrive_impl(int id, int n) {
   Cta* c = cur_cta;
   cur_fiber->cluster_synced = false;
-  // the kernels never synchronise with a wgmma in flight: its operands / accumulators would be racy
-  if (!cur_fiber->wgmma_pending.empty()) fail("barrier reached with a wgmma group not waited on");
   if (id < 0 || id >= 16) fail("barrier id out of range");
   if (n <= 0 || n % 32 || n > c->nthreads) fail("barrier thread count must be a positive multiple of 32 <= block size");
   Bar& b = c->bars[id];
@@ -207,7 +223,6 @@ inline Cta* cluster_cta(uint32_t caddr) {
 
 inline void cluster_sync() {
   Cluster* cl = cur_cta->cluster;
-  if (!cur_fiber->wgmma_pending.empty()) fail("cluster barrier reached with a wgmma group not waited on");
   const int n = (int)cl->ctas.size() * cur_cta->nthreads;
   Bar& b = cl->bar;
   const uint64_t g = b.gen;
@@ -239,7 +254,6 @@ inline void mbar_try_complete(MBar& m) {
 
 // One arrival (expecting `tx_bytes` more bytes of asynchronous stores in this phase).
 inline void mbar_arrive(uint32_t caddr, uint32_t tx_bytes = 0) {
-  if (!cur_fiber->wgmma_pending.empty()) fail("mbarrier arrival with a wgmma group not waited on");
   Cta* t = cluster_cta(caddr);
   MBar& m = mbar_at(t, caddr & 0xffffffu);
   ++cur_cta->progress;
@@ -335,6 +349,7 @@ inline void warp_collective(int tag, const void* in, size_t size, F&& read) {
 inline void fiber_entry(int idx) {
   Cta* c = cur_cta;
   (*c->body)(c->smem);
+  if (!c->fibers[idx].wgmma_groups.empty()) fail("thread exited with a wgmma not waited on");
   c->fibers[idx].done = true;
   ++c->progress;
   // returning switches to uc_link (the scheduler)
@@ -345,6 +360,7 @@ inline void fiber_entry(int idx) {
   Fiber* f = cur_fiber;
   Cta* c = cur_cta;
   (*c->body)(c->smem);
+  if (!f->wgmma_groups.empty()) fail("thread exited with a wgmma not waited on");
   f->done = true;
   ++c->progress;
   dsv41_emu_switch(&f->sp, c->sched_sp);
@@ -376,7 +392,7 @@ inline void run_cluster(Cluster& cl) {
       Fiber& f = c.fibers[i];
       f.tid = i;
       f.done = false;
-      f.wgmma_pending.clear();
+      f.wgmma_groups.clear();
       f.cluster_synced = false;
 #if DSV41_EMU_FAST_SWITCH
       f.sp = init_stack(c.stacks[i], c.stack_bytes);

@@ -543,7 +543,9 @@ DEVFN void fence_proxy_async_cluster() {
 #if DSV41_DEVICE && DSV41_WGMMA
 DEVFN void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DEVFN void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-DEVFN void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed wgmma groups are still in flight (in order).
+template <int N>
+DEVFN void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
 template <int N>
 DEVFN void reg_fence(float* d) {
@@ -576,11 +578,12 @@ DEVFN void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) {
 }
 #else
 DEVFN void wgmma_fence() {}
-DEVFN void wgmma_commit() {}
 template <int N>
 DEVFN void reg_fence(float*) {}
 #if DSV41_DEVICE  // builds without wgmma (sm_100a, DSV41_FORCE_MMA_SYNC) never call these
-DEVFN void wgmma_wait0() {}
+DEVFN void wgmma_commit() {}
+template <int N>
+DEVFN void wgmma_wait() {}
 DEVFN void wgmma_m64n32k16(float*, uint64_t, uint64_t) { __trap(); }
 DEVFN void wgmma_m64n64k16(float*, uint64_t, uint64_t) { __trap(); }
 DEVFN void wgmma_m64n256k16_tb(float*, uint64_t, uint64_t) { __trap(); }
@@ -607,10 +610,25 @@ inline float elem(uint64_t desc, int row, int col, bool kmajor) {
   std::memcpy(&h, emu::cur_cta->smem + elem_addr(desc, row, col, kmajor), 2);
   return f16_to_f32(h);
 }
+// Checksum of the shared-memory bytes one warp's wgmma reads: its 16 rows of A, all of B.
+inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, int wr) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint32_t a) {
+    uint16_t x;
+    std::memcpy(&x, emu::cur_cta->smem + a, 2);
+    h = (h ^ x) * 1099511628211ull;
+  };
+  for (int r = 16 * wr; r < 16 * wr + 16; ++r)
+    for (int k = 0; k < 16; ++k) mix(elem_addr(da, r, k, true));
+  for (int k = 0; k < 16; ++k)
+    for (int c = 0; c < n; ++c) mix(b_trans ? elem_addr(db, k, c, false) : elem_addr(db, c, k, true));
+  return h;
+}
 // One warp's share of m64nNk16: rows 16*(warp & 3) .. +15. Asynchronous like the hardware: the
-// products are computed at issue (operands read now) but reach `d` only at wgmma_wait0; until then d
-// holds NaN, so reading an accumulator before the wait shows up in the results. Chained wgmmas on
-// the same accumulator continue from the pending value.
+// products are computed at issue (operands read now) but reach `d` only when their commit group is
+// waited on (wgmma_wait<N>); until then d holds NaN, so reading an accumulator early shows up in
+// the results, and the wait checks that no operand byte changed in between. Chained wgmmas on the
+// same accumulator in one group continue from the pending value.
 inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
   struct In { uint64_t da, db; } in{da, db};
   const int lane = lane_idx(), wr = warp_idx() & 3;
@@ -621,13 +639,18 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
       if (x.da != in.da || x.db != in.db) emu::fail("wgmma: lanes of a warp passed different descriptors");
     }
   });
-  auto& pend = emu::cur_fiber->wgmma_pending;
+  auto& gs = emu::cur_fiber->wgmma_groups;
+  for (auto& grp : gs)
+    for (auto& a : grp.acc)
+      if (!grp.open && a.d == d) emu::fail("wgmma: accumulates into the registers of an earlier group still in flight");
+  if (gs.empty() || !gs.back().open) gs.emplace_back();
+  auto& grp = gs.back();
   std::vector<float>* acc = nullptr;
-  for (auto& p : pend)
-    if (p.first == d) acc = &p.second;
+  for (auto& a : grp.acc)
+    if (a.d == d) acc = &a.v;
   if (!acc) {
-    pend.emplace_back(d, std::vector<float>(d, d + n / 2));
-    acc = &pend.back().second;
+    grp.acc.push_back({d, std::vector<float>(d, d + n / 2)});
+    acc = &grp.acc.back().v;
   }
   const int g = lane >> 2, t = lane & 3;
   for (int nb = 0; nb < n / 8; ++nb)
@@ -638,14 +661,32 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
         v += elem(da, row, k, true) * (b_trans ? elem(db, k, col, false) : elem(db, col, k, true));
       (*acc)[4 * nb + e] = v;
     }
+  if (lane == 0) grp.reads.push_back({da, db, n, b_trans, operand_sum(da, db, n, b_trans, wr)});
   for (int i = 0; i < n / 2; ++i) d[i] = NAN;
 }
-inline void wait_all() {
-  for (auto& p : emu::cur_fiber->wgmma_pending) std::memcpy(p.first, p.second.data(), p.second.size() * sizeof(float));
-  emu::cur_fiber->wgmma_pending.clear();
+inline void commit() {
+  auto& gs = emu::cur_fiber->wgmma_groups;
+  if (!gs.empty()) gs.back().open = false;
+}
+inline void wait(int n_left) {
+  auto& gs = emu::cur_fiber->wgmma_groups;
+  int closed = 0;
+  for (auto& g : gs) closed += g.open ? 0 : 1;
+  const int wr = warp_idx() & 3;
+  while (closed > n_left) {
+    auto& g = gs.front();
+    for (auto& r : g.reads)
+      if (operand_sum(r.da, r.db, r.n, r.b_trans, wr) != r.sum)
+        emu::fail("wgmma: a shared-memory operand changed while the wgmma was in flight");
+    for (auto& a : g.acc) std::memcpy(a.d, a.v.data(), a.v.size() * sizeof(float));
+    gs.erase(gs.begin());
+    --closed;
+  }
 }
 }  // namespace wgemu
-inline void wgmma_wait0() { wgemu::wait_all(); }
+inline void wgmma_commit() { wgemu::commit(); }
+template <int N>
+inline void wgmma_wait() { wgemu::wait(N); }
 inline void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 32, da, db, false); }
 inline void wgmma_m64n64k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 64, da, db, false); }
 inline void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 256, da, db, true); }
