@@ -291,7 +291,7 @@ DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB
 // L2 prefetch of this lane's token's lines (the 4 lanes of a token split them).
 template <int NB>
 DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {
-#ifdef DSV41_EXP_NO_GATHER
+#if defined(DSV41_EXP_NO_GATHER) || defined(DSV41_EXP_NO_PREFETCH)  // experiment: no L2 prefetch
   return;
 #endif
   if (!t.ok) return;
@@ -657,10 +657,10 @@ DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane)
 }
 
 // S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
-// Q and K from shared memory through the descriptors of their first 16 dims: started as one commit
-// group; qk_wgmma_finish waits for it (and for every group committed before it).
+// Q and K from shared memory through the descriptors of their first 16 dims; returns with the
+// products in s.
 template <int N>
-DEVFN void qk_wgmma_start(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
+DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -678,17 +678,13 @@ DEVFN void qk_wgmma_start(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
   }
 #endif
   wgmma_commit();
-}
-template <int N>
-DEVFN void qk_wgmma_finish(float (&s)[N / 8][4]) {
   wgmma_wait<0>();
   reg_fence<N / 2>(&s[0][0]);
 }
 
 // O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
-// memory through descriptors pd / vd); O already rescaled. Started as one commit group and left in
-// flight: pv_wgmma_finish, or retire_pv after the next tile's QK has been started, completes it.
-DEVFN void pv_wgmma_start(Acc& acc, uint64_t pd, uint64_t vd) {
+// memory through descriptors pd / vd); O already rescaled; returns with O updated.
+DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -697,19 +693,8 @@ DEVFN void pv_wgmma_start(Acc& acc, uint64_t pd, uint64_t vd) {
     wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
 #endif
   wgmma_commit();
-}
-// Waits until at most N groups started after the PV are in flight: O holds its result.
-template <int N = 0>
-DEVFN void pv_wgmma_finish(Acc& acc) {
-  wgmma_wait<N>();
+  wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
-}
-// PV of tile tc, left in flight by consume_tile, has completed (pending: groups started after it,
-// i.e. the next tile's QK, that may stay in flight): its K/V and P buffers are free again.
-template <int kPending, class C>
-DEVFN void retire_pv(const C& crew, int tc, Acc& acc, int lane) {
-  pv_wgmma_finish<kPending>(acc);
-  release_tile(crew, tc, lane);
 }
 
 // sm_90a: warpgroup MMAs. Warpgroup th = w >> 2 computes S for tokens 32th..32th+31 of all 64
@@ -717,14 +702,7 @@ DEVFN void retire_pv(const C& crew, int tc, Acc& acc, int lane) {
 // dims 256th..256th+255 of all 64 heads (m64n256k16 x 4 token steps, P and V from shared memory:
 // V is the K tile read MN-major). The thread that owns a score row also owns that row of O, so
 // the rescale needs no exchange.
-// The PV is left in flight (returns true): the next tile's QK is started behind it before its
-// completion is awaited (retire_pv), so the tensor pipe goes from PV n straight to QK n + 1 while
-// the warps pass the FULL barrier, the proxy fence and the QK issue (the profile of the
-// wait-at-once version: the PV wait was the consumers' largest stall, 8% of all samples).
-template <class C>
-DEVFN bool consume_tile_wgmma(const C& crew, char* smem, int tc, bool owed, Acc& acc, float scale_log2, int w,
-                              int lane) {
-  const int buf = tc & 1;
+DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
   // Operand descriptors built once per tile; each wgmma adds a constant offset (wgmma_desc_add).
   // (Taking th through a lane-0 shuffle, to make it uniform, cost the pair kernel 8 bytes of spills.)
   const uint32_t th = (uint32_t)(w >> 2);
@@ -734,9 +712,7 @@ DEVFN bool consume_tile_wgmma(const C& crew, char* smem, int tc, bool owed, Acc&
   const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
   const uint64_t vd = wgmma_desc(ka + 4u * 8192u * th, 8192, 1024);
   float s[4][4];
-  qk_wgmma_start<32>(s, qd, kd);
-  if (owed) retire_pv<1>(crew, tc - 1, acc, lane);
-  qk_wgmma_finish<32>(s);
+  qk_wgmma<32>(s, qd, kd);
 
   float alpha[2];
   softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
@@ -745,8 +721,8 @@ DEVFN bool consume_tile_wgmma(const C& crew, char* smem, int tc, bool owed, Acc&
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
   rescale_o(acc, alpha);
-  pv_wgmma_start(acc, pd, vd);
-  return true;
+  pv_wgmma(acc, pd, vd);
+  // The tile's operands have been read: the caller releases the buffer (release_tile).
 }
 
 // sm_100a (and DSV41_FORCE_MMA_SYNC): warp-level mma.sync m16n8k16 with ldmatrix operands.
@@ -840,11 +816,7 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's
 // default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_wg_split_consumers).
-// Warpgroup 0 leaves its PV in flight as consume_tile_wgmma does (returns true); warpgroup 1 completes
-// its own at once and releases the tile (its next step waits for warpgroup 0's P anyway).
-template <class C>
-DEVFN bool consume_tile_split(const C& crew, char* smem, int tc, bool owed, Acc& acc, float scale_log2, int w,
-                              int lane) {
+DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
@@ -854,9 +826,7 @@ DEVFN bool consume_tile_split(const C& crew, char* smem, int tc, bool owed, Acc&
     const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
     const uint64_t kd = wgmma_desc(ka, 16, 1024);
     float s[8][4];
-    qk_wgmma_start<64>(s, qd, kd);
-    if (owed) retire_pv<1>(crew, tc - 1, acc, lane);
-    qk_wgmma_finish<64>(s);
+    qk_wgmma<64>(s, qd, kd);
     // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale, row maxima within the quad
     const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
     const float ninf = -finf();
@@ -903,11 +873,8 @@ DEVFN bool consume_tile_split(const C& crew, char* smem, int tc, bool owed, Acc&
     alpha[1] = alpha_b[r0 + 8];
   }
   rescale_o(acc, alpha);
-  pv_wgmma_start(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
-                 wgmma_desc(ka + 4u * 8192u * (uint32_t)th, 8192, 1024));
-  if (th == 0) return true;
-  retire_pv<0>(crew, tc, acc, lane);
-  return false;
+  pv_wgmma(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
+           wgmma_desc(ka + 4u * 8192u * (uint32_t)th, 8192, 1024));
 }
 #endif
 
@@ -925,22 +892,19 @@ constexpr bool kPrefillSplit = false;
 constexpr bool kPrefillSplit = true;
 #endif
 
-// tc: the tile's index in the CTA's sequence (buffer tc & 1). owed: this thread's PV of tile tc - 1
-// is still in flight (the previous call returned true); it is completed and tile tc - 1 released
-// here. Returns whether this tile's PV is left in flight: the caller then ends the segment with
-// retire_pv<0>(crew, tc, ...).
+// tc: the tile's index in the CTA's sequence (buffer tc & 1).
 template <class C>
-DEVFN bool consume_tile(const C& crew, char* smem, int tc, bool owed, Acc& acc, float scale_log2, int w, int lane) {
+DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
 #if DSV41_WGMMA
-  if constexpr (C::split) return consume_tile_split(crew, smem, tc, owed, acc, scale_log2, w, lane);
-#endif
-  if constexpr (kWgmma) {
-    return consume_tile_wgmma(crew, smem, tc, owed, acc, scale_log2, w, lane);
-  } else {
-    consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
-    release_tile(crew, tc, lane);
-    return false;
+  if constexpr (C::split) {
+    consume_tile_split(smem, tc, acc, scale_log2, w, lane);
+    return;
   }
+#endif
+  if constexpr (kWgmma)
+    consume_tile_wgmma(smem, tc & 1, acc, scale_log2, w, lane);
+  else
+    consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
 }
 
 
@@ -1116,12 +1080,11 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
-    bool owed = false;
     for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
       await_tile(crew, tc, w);
-      owed = consume_tile(crew, smem, tc, owed, acc, p.scale_log2, w, lane);
+      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
+      release_tile(crew, tc, lane);
     }
-    if (owed) retire_pv<0>(crew, tc - 1, acc, lane);
     publish_row_stats(smem, acc, w, lane);
     const int first = ldg_nc_s32(p.num_splits + req);
     const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
@@ -1360,12 +1323,11 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
     if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
-    bool owed = false;
     for (int tc = 0; tc < ntiles; ++tc) {
       await_tile(crew, tc, w);
-      owed = consume_tile(crew, smem, tc, owed, acc, p.scale_log2, w, lane);
+      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
+      release_tile(crew, tc, lane);
     }
-    if (owed) retire_pv<0>(crew, ntiles - 1, acc, lane);
     publish_row_stats(smem, acc, w, lane);
     write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
                 p.sink + (int64_t)group * kHeadsPerCta);
