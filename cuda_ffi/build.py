@@ -93,10 +93,12 @@ def _run(cmd: list[str], log: list[str], cwd: Path | None = None, env: dict | No
 
 
 def _ptxas_report(text: str) -> str:
-    """The ptxas -v lines, one block per kernel and architecture."""
+    """The ptxas -v lines, one block per kernel and architecture, and ptxas's wgmma pipeline messages
+    (C75xx: a compiler-inserted warpgroup wait or serialised wgmmas, i.e. tensor-core overlap lost)."""
     keep = []
     for line in text.splitlines():
-        if "ptxas info" in line and ("Compiling entry" in line or "Used" in line or "Function properties" in line):
+        if "ptxas info" in line and ("Compiling entry" in line or "Used" in line or "Function properties" in line
+                                     or "(C75" in line):
             keep.append(line.split("ptxas info    : ")[-1].strip())
         elif re.search(r"bytes stack frame", line):
             keep.append("    " + line.strip())
