@@ -2,6 +2,7 @@
 // Built with: g++ -std=c++17 -O2 -fPIC -shared -DDSV41_EMULATE emu_main.cc -o libdsv41_emu.so
 // It runs the device code of kernels.cuh thread by thread (emu_runtime.h) behind the same
 // argument checks as the FFI handlers (host_params.h).
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -78,6 +79,64 @@ int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out,
   const int64_t grid = (int64_t)p.num_groups * p.s_q;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) { dsv41::prefill_cta(p, smem); }, seed,
               workers);
+  return 0;
+}
+
+// Self-test of the emulator's wgmma model (tests/test_cuda_ffi.py), one warpgroup: A [64 x 16] and
+// B [32 x 16] (K-major, 128-byte swizzle, small integers, exact in f16), d = 0 then d += A B^T once per
+// wgmma m64n32k16. out [128][16] = each thread's d at the end, flags [128] = whether d held NaN (the
+// emulator's "not yet written") after the scenario's wait<1>.
+//   0: two commit groups chained on d, wait<1>, wait<0>: out = 2 A B^T, flags = 1 (the later group
+//      still in flight at wait<1>).
+//   1: one group, an empty commit, wait<1>: out = A B^T, flags = 0 (the empty group is the one left).
+//   2: an operand byte of B rewritten between the issue and the wait: must abort.
+//   3: a thread returns with a group in flight: must abort.
+int dsv41_emu_wgmma_selftest(int scenario, float* out, int* flags) {
+  emu::launch(1, 128, 16384 + 1024, [scenario, out, flags](char* raw) {
+    using namespace dsv41;
+    char* smem = align_smem(raw);
+    const int t = thread_idx();
+    const uint64_t da = wgmma_desc(smem_addr(smem), 16, 1024);
+    const uint64_t db = wgmma_desc(smem_addr(smem + 8192), 16, 1024);
+    auto put = [&](uint32_t off, float v) {
+      const uint16_t h = (uint16_t)f32_to_f16_satfinite(v);
+      std::memcpy(emu::cur_cta->smem + off, &h, 2);
+    };
+    if (t == 0) {
+      for (int r = 0; r < 64; ++r)
+        for (int k = 0; k < 16; ++k) put(wgemu::elem_addr(da, r, k, true), (float)((3 * r + k) % 7 - 3));
+      for (int n = 0; n < 32; ++n)
+        for (int k = 0; k < 16; ++k) put(wgemu::elem_addr(db, n, k, true), (float)((n + 2 * k) % 5 - 2));
+    }
+    bar_sync(0, 128);
+    float d[16];
+    for (float& x : d) x = 0.f;
+    wgmma_fence();
+    wgmma_m64n32k16(d, da, db);
+    wgmma_commit();
+    int nan_after = 0;
+    if (scenario == 0) {
+      wgmma_m64n32k16(d, da, db);
+      wgmma_commit();
+      wgmma_wait<1>();
+      nan_after = std::isnan(d[0]) ? 1 : 0;
+      wgmma_wait<0>();
+    } else if (scenario == 1) {
+      wgmma_commit();
+      wgmma_wait<1>();
+      nan_after = std::isnan(d[0]) ? 1 : 0;
+      wgmma_wait<0>();
+    } else if (scenario == 2) {
+      bar_sync(0, 128);  // every warp has issued
+      if (t == 0) put(wgemu::elem_addr(db, 5, 3, true), 1.f + (float)((5 + 6) % 5 - 2));
+      bar_sync(0, 128);
+      wgmma_wait<0>();
+    } else {
+      return;
+    }
+    for (int i = 0; i < 16; ++i) out[16 * t + i] = d[i];
+    flags[t] = nan_after;
+  });
   return 0;
 }
 

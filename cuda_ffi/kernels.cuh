@@ -32,7 +32,8 @@
 // Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive, consumers
 // sync) and EMPTY[b] (consumers arrive, producers sync); a decode head-group pair (2-CTA cluster
 // that splits every tile's gather) adds the peer's mbarriers, waited on by producers only (see
-// "crew" below). Consumer-only exchanges use one 256-thread named barrier. Both roles of every CTA
+// "crew" below). Consumer-only exchanges use one 256-thread named barrier (split consumers: P-ready
+// and warpgroup-0 barriers and a FULL[b] per warpgroup instead; enum below). Both roles of every CTA
 // of a crew walk the same tile sequence, so the counts always balance (producers drain the last
 // EMPTYs).
 //
@@ -815,7 +816,7 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's
-// default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_wg_split_consumers).
+// default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_flipped_consumer_shapes).
 DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;

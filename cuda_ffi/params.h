@@ -16,7 +16,8 @@ constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
 // gives every thread 168 (65536 / 384, rounded down to a multiple of 8), so the warpgroups' sum
 // must stay <= 3 x 168 = 504 per lane slot, or setmaxnreg.inc waits forever (a hang, not an error:
 // the first split-consumer build asked for 128 + 2 x 192 = 512 and hung on the H200).
-constexpr int kLaunchRegs = 168;
+constexpr int kLaunchRegs = (65536 / kThreads) & ~7;  // 168
+static_assert(kLaunchRegs == 168, "the register budgets below assume 384 threads");
 constexpr int kProducerRegs = 128;       // symmetric consumers: 128 + 2 x 184 = 496
 constexpr int kConsumerRegs = 184;
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192

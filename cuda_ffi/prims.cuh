@@ -628,7 +628,8 @@ inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, int w
 // products are computed at issue (operands read now) but reach `d` only when their commit group is
 // waited on (wgmma_wait<N>); until then d holds NaN, so reading an accumulator early shows up in
 // the results, and the wait checks that no operand byte changed in between. Chained wgmmas on the
-// same accumulator in one group continue from the pending value.
+// same accumulator continue from its pending value (in the same group or in an earlier one still in
+// flight, as PTX allows for one shape).
 inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
   struct In { uint64_t da, db; } in{da, db};
   const int lane = lane_idx(), wr = warp_idx() & 3;
@@ -640,16 +641,20 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
     }
   });
   auto& gs = emu::cur_fiber->wgmma_groups;
-  for (auto& grp : gs)
-    for (auto& a : grp.acc)
-      if (!grp.open && a.d == d) emu::fail("wgmma: accumulates into the registers of an earlier group still in flight");
   if (gs.empty() || !gs.back().open) gs.emplace_back();
   auto& grp = gs.back();
   std::vector<float>* acc = nullptr;
   for (auto& a : grp.acc)
     if (a.d == d) acc = &a.v;
   if (!acc) {
-    grp.acc.push_back({d, std::vector<float>(d, d + n / 2)});
+    const std::vector<float>* prior = nullptr;  // the newest pending value of d in an earlier group
+    for (size_t i = 0; i + 1 < gs.size(); ++i)
+      for (auto& a : gs[i].acc)
+        if (a.d == d) {
+          if (a.v.size() != (size_t)n / 2) emu::fail("wgmma: chained onto an in-flight accumulator of another shape");
+          prior = &a.v;
+        }
+    grp.acc.push_back({d, prior ? *prior : std::vector<float>(d, d + n / 2)});
     acc = &grp.acc.back().v;
   }
   const int g = lane >> 2, t = lane & 3;
@@ -664,9 +669,10 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
   if (lane == 0) grp.reads.push_back({da, db, n, b_trans, operand_sum(da, db, n, b_trans, wr)});
   for (int i = 0; i < n / 2; ++i) d[i] = NAN;
 }
-inline void commit() {
+inline void commit() {  // with no wgmma since the last commit: an empty group (it counts for wait)
   auto& gs = emu::cur_fiber->wgmma_groups;
-  if (!gs.empty()) gs.back().open = false;
+  if (gs.empty() || !gs.back().open) gs.emplace_back();
+  gs.back().open = false;
 }
 inline void wait(int n_left) {
   auto& gs = emu::cur_fiber->wgmma_groups;
@@ -678,7 +684,12 @@ inline void wait(int n_left) {
     for (auto& r : g.reads)
       if (operand_sum(r.da, r.db, r.n, r.b_trans, wr) != r.sum)
         emu::fail("wgmma: a shared-memory operand changed while the wgmma was in flight");
-    for (auto& a : g.acc) std::memcpy(a.d, a.v.data(), a.v.size() * sizeof(float));
+    for (auto& a : g.acc) {
+      bool later = false;  // a later group still in flight accumulates into d: it stays undefined
+      for (size_t i = 1; i < gs.size(); ++i)
+        for (auto& b : gs[i].acc) later = later || b.d == a.d;
+      if (!later) std::memcpy(a.d, a.v.data(), a.v.size() * sizeof(float));
+    }
     gs.erase(gs.begin());
     --closed;
   }
