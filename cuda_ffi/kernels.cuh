@@ -592,6 +592,32 @@ DEVFN void rescale_o(Acc& acc, const float (&alpha)[2]) {
   }
 }
 
+// Row hr's maximum over this thread's J column blocks of S and over its quad (the 4 lanes of a row).
+template <int J>
+DEVFN float quad_row_max(const float (&s)[J][4], int hr) {
+  float v = -finf();
+#pragma unroll
+  for (int j = 0; j < J; ++j) v = fmaxf(v, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
+  v = fmaxf(v, shfl_xor_f32(v, 1));
+  return fmaxf(v, shfl_xor_f32(v, 2));
+}
+
+// Row hr of S becomes P = 2^(S - base) in place (2^-inf = 0 for masked tokens); l = l * alpha + the
+// row's new partial sum.
+template <int J>
+DEVFN void exp_row(float (&s)[J][4], int hr, float base, float alpha, Acc& acc) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const float p0 = fexp2(s[j][2 * hr] - base);
+    const float p1 = fexp2(s[j][2 * hr + 1] - base);
+    s[j][2 * hr] = p0;
+    s[j][2 * hr + 1] = p1;
+    sum += p0 + p1;
+  }
+  acc.l[hr] = acc.l[hr] * alpha + sum;
+}
+
 // S (16 scores per thread, QK-role layout) -> masked, scaled to the log2 domain; exchange of the row
 // maxima between the two token halves (barrier B1); online-softmax update of m, l; returns
 // alpha (rescale factor of rows r0, r0 + 8) and leaves P = 2^(S - base) in s.
@@ -610,16 +636,7 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
       const int bit = 8 * j + 2 * t + (e & 1);
       s[j][e] = ((vm >> bit) & 1u) ? s[j][e] * scale_log2 : ninf;
     }
-  float mx[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    float v = ninf;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v = fmaxf(v, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
-    v = fmaxf(v, shfl_xor_f32(v, 1));
-    v = fmaxf(v, shfl_xor_f32(v, 2));
-    mx[hr] = v;
-  }
+  const float mx[2] = {quad_row_max(s, 0), quad_row_max(s, 1)};
   const int r0 = 16 * rq + g;
   if (t == 0) {
     rmax[th * 64 + r0] = mx[0];
@@ -630,30 +647,23 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = r0 + 8 * hr;
-    const float base = lazy_row_update(acc, hr, fmaxf(rmax[r], rmax[64 + r]), alpha[hr]);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float p0 = fexp2(s[j][2 * hr] - base);  // 2^-inf = 0 for masked tokens
-      const float p1 = fexp2(s[j][2 * hr + 1] - base);
-      s[j][2 * hr] = p0;
-      s[j][2 * hr + 1] = p1;
-      sum += p0 + p1;
-    }
-    acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
+    const float base = lazy_row_update(acc, hr, fmaxf(rmax[r], rmax[64 + r]), alpha[hr]);  // sets alpha[hr]
+    exp_row(s, hr, base, alpha[hr], acc);
   }
 }
 
-// P (f16, one term: 11 significant bits) of this thread's 16 entries into the P tile of `buf`:
-// [64 heads][64 tokens], 128-byte rows, chunk c of row r at c ^ (r & 7).
-DEVFN void store_p(char* smem, int buf, const float (&s)[4][4], int w, int lane) {
-  const int g = lane >> 2, t = lane & 3, r0 = 16 * (w & 3) + g, th = w >> 2;
+// P (f16, one term: 11 significant bits) of this thread's 4J entries into the P tile of `buf`:
+// [64 heads][64 tokens], 128-byte rows, chunk c of row r at c ^ (r & 7). The thread holds rows
+// 16 (w & 3) + lane / 4 (+ 8) and, in column block j, chunk chunk0 + j.
+template <int J>
+DEVFN void store_p(char* smem, int buf, const float (&s)[J][4], int chunk0, int w, int lane) {
+  const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
   char* ps = smem + kSmemP + buf * kSmemPBytes;
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
-      *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, 4 * th + j) + 4 * t) =
+      *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, chunk0 + j) + 4 * t) =
           pack_f16x2(s[j][2 * hr], s[j][2 * hr + 1]);
 }
 
@@ -717,7 +727,7 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
 
   float alpha[2];
   softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
-  store_p(smem, buf, s, w, lane);
+  store_p(smem, buf, s, 4 * (w >> 2), w, lane);
   fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
@@ -765,7 +775,7 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 
   float alpha[2];
   softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
-  store_p(smem, buf, s, w, lane);
+  store_p(smem, buf, s, 4 * (w >> 2), w, lane);
   if (th == 0 && t == 0) {
     alpha_s[16 * rq + g] = alpha[0];
     alpha_s[16 * rq + g + 8] = alpha[1];
@@ -828,7 +838,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     const uint64_t kd = wgmma_desc(ka, 16, 1024);
     float s[8][4];
     qk_wgmma<64>(s, qd, kd);
-    // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale, row maxima within the quad
+    // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
     const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
     const float ninf = -finf();
 #pragma unroll
@@ -839,28 +849,10 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      float mt = ninf;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mt = fmaxf(mt, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
-      mt = fmaxf(mt, shfl_xor_f32(mt, 1));
-      mt = fmaxf(mt, shfl_xor_f32(mt, 2));
-      const float base = lazy_row_update(acc, hr, mt, alpha[hr]);
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float p0 = fexp2(s[j][2 * hr] - base), p1 = fexp2(s[j][2 * hr + 1] - base);
-        s[j][2 * hr] = p0;
-        s[j][2 * hr + 1] = p1;
-        sum += p0 + p1;
-      }
-      acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
+      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
+      exp_row(s, hr, base, alpha[hr], acc);
     }
-    char* ps = smem + kSmemP + buf * kSmemPBytes;
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-        *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, j) + 4 * t) = pack_f16x2(s[j][2 * hr], s[j][2 * hr + 1]);
+    store_p(smem, buf, s, 0, w, lane);
     if (t == 0) {
       alpha_b[r0] = alpha[0];
       alpha_b[r0 + 8] = alpha[1];
