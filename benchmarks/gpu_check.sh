@@ -17,8 +17,7 @@
 #                 without head-group pairs, the pair's proxy fence on the producer side, FlashMLA's
 #                 consumer split (warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) for
 #                 decode (wg_split) / symmetric consumers for prefill (no_wg_split), no L2 prefetch of
-#                 the next tile (no_prefetch), the paired decode's consumers one tile at a time instead
-#                 of the next tile's S overlapping this tile's softmax (no_qk_overlap)) and for
+#                 the next tile (no_prefetch)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
@@ -60,7 +59,7 @@ for s in "${stages[@]}"; do
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
                "no_pair:--define DSV41_EXP_NO_PAIR" "pair_fence:--define DSV41_EXP_PAIR_PRODUCER_FENCE" \
                "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
-               "no_prefetch:--define DSV41_EXP_NO_PREFETCH" "no_qk_overlap:--define DSV41_EXP_NO_QK_OVERLAP"; do
+               "no_prefetch:--define DSV41_EXP_NO_PREFETCH"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

@@ -97,21 +97,12 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // cluster instructions or pair branches.
 // kSplit: the consumers' roles. false: two symmetric warpgroups (each S for 32 of a tile's tokens,
 // a row-max exchange, O[:, 256 w]); true: FlashMLA's split (consume_tile_split). wgmma builds only.
-#ifdef DSV41_EXP_NO_QK_OVERLAP  // experiment: the paired decode's consumers one tile at a time
-constexpr bool kQkOverlap = false;
-#else
-constexpr bool kQkOverlap = true;
-#endif
 template <bool kPair, bool kSplit = false>
 struct Crew {
   static constexpr int ncta = kPair ? 2 : 1;
   static constexpr bool split = kSplit && kWgmma;
-  // symmetric wgmma consumers of a pair: the next tile's S in flight during this tile's softmax
-  // (consume_run_overlapped; 16 more live registers: a single CTA's, with two gather batches per
-  // producer warp, would spill at 120 producer registers, so it keeps one tile at a time)
-  static constexpr bool overlap = kPair && kWgmma && !split && kQkOverlap;
-  static constexpr int producer_regs = split || overlap ? kWideProducerRegs : kProducerRegs;
-  static constexpr int consumer_regs = split || overlap ? kWideConsumerRegs : kConsumerRegs;
+  static constexpr int producer_regs = split ? kSplitProducerRegs : kProducerRegs;
+  static constexpr int consumer_regs = split ? kSplitConsumerRegs : kConsumerRegs;
   static constexpr int full_count = split ? 256 : kThreads;  // FULL b: producers + the consumers waiting
   int rank;       // in the cluster
   uint32_t peer;  // cluster address of the peer's shared-memory base (pairs)
@@ -679,10 +670,8 @@ DEVFN void store_p(char* smem, int buf, const float (&s)[J][4], int chunk0, int 
 // S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
 // Q and K from shared memory through the descriptors of their first 16 dims; returns with the
 // products in s.
-// qk_issue leaves the products in flight as one commit group (s may not be touched until a
-// wgmma_wait covering it and reg_fence); qk_wgmma waits for them.
 template <int N>
-DEVFN void qk_issue(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
+DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -700,18 +689,13 @@ DEVFN void qk_issue(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
   }
 #endif
   wgmma_commit();
-}
-template <int N>
-DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
-  qk_issue<N>(s, qd, kd);
   wgmma_wait<0>();
   reg_fence<N / 2>(&s[0][0]);
 }
 
 // O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
-// memory through descriptors pd / vd); O already rescaled. pv_issue leaves it in flight as one
-// commit group, pv_wgmma returns with O updated.
-DEVFN void pv_issue(Acc& acc, uint64_t pd, uint64_t vd) {
+// memory through descriptors pd / vd); O already rescaled; returns with O updated.
+DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -720,9 +704,6 @@ DEVFN void pv_issue(Acc& acc, uint64_t pd, uint64_t vd) {
     wgmma_m64n256k16_tb(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
 #endif
   wgmma_commit();
-}
-DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
-  pv_issue(acc, pd, vd);
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
 }
@@ -919,73 +900,6 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
     consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
 }
 
-#if DSV41_WGMMA
-// Symmetric wgmma consumers over a run of n >= 1 consecutive tiles sharing one Q (tiles
-// tc0..tc0 + n - 1): S of tile tc + 1 is issued to the tensor cores before tile tc's softmax, P
-// store and barriers, so those overlap it (FlashAttention-3's intra-warpgroup overlap); the PV
-// of tile tc queues behind it and one wait covers both, so no wgmma is in flight across the
-// loop's back edge or a branch join (ptxas would serialise: C75xx, build.py). One extra FULL
-// wait moves ahead of the softmax: tile tc + 1 must have arrived before tile tc's P is computed.
-template <class C>
-DEVFN void consume_run_overlapped(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w,
-                                  int lane) {
-  const uint32_t th = (uint32_t)(w >> 2);
-  const uint32_t k0 = smem_addr(smem + kSmemK);
-  const uint32_t p0 = smem_addr(smem + kSmemP);
-  const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
-  float s[4][4], sn[4][4];
-  await_tile(crew, tc0, w);
-  qk_wgmma<32>(s, qd, wgmma_desc(k0 + (uint32_t)(tc0 & 1) * kTileBytes + 32u * 128u * th, 16, 1024));
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sn[j][e] = 0.f;
-#pragma unroll 1
-  for (int i = 0; i < n; ++i) {
-    const int tc = tc0 + i;
-    const uint32_t buf = (uint32_t)(tc & 1);
-    if (i + 1 < n) {
-      await_tile(crew, tc + 1, w);
-      qk_issue<32>(sn, qd, wgmma_desc(k0 + (buf ^ 1u) * kTileBytes + 32u * 128u * th, 16, 1024));
-    }
-    float alpha[2];
-    softmax_tile(smem, (int)buf, s, acc, scale_log2, w, lane, alpha);
-    store_p(smem, (int)buf, s, 4 * (int)th, w, lane);
-    fence_proxy_async();
-    bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
-    rescale_o(acc, alpha);
-    pv_issue(acc, wgmma_desc(p0 + buf * kSmemPBytes, 16, 1024),
-             wgmma_desc(k0 + buf * kTileBytes + 4u * 8192u * th, 8192, 1024));
-    wgmma_wait<0>();  // this tile's PV and the next tile's S
-    reg_fence<128>(&acc.o[0][0]);
-    reg_fence<16>(&sn[0][0]);
-    release_tile(crew, tc, lane);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = sn[j][e];
-  }
-}
-#endif
-
-// The consumers' walk over n consecutive tiles tc0..tc0 + n - 1 that share one Q (a decode
-// segment, a prefill row): await, consume, release each; a pair's symmetric wgmma consumers overlap
-// the next tile's S with this tile's softmax (Crew::overlap; DSV41_EXP_NO_QK_OVERLAP: one at a time).
-template <class C>
-DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
-#if DSV41_WGMMA
-  if constexpr (C::overlap) {
-    if (n > 0) consume_run_overlapped(crew, smem, tc0, n, acc, scale_log2, w, lane);
-    return;
-  }
-#endif
-  for (int i = 0; i < n; ++i) {
-    await_tile(crew, tc0 + i, w);
-    consume_tile(crew, smem, tc0 + i, acc, scale_log2, w, lane);
-    release_tile(crew, tc0 + i, lane);
-  }
-}
-
 
 // Row statistics of the finished segment to smem; returns after the consumer barrier (B3).
 DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
@@ -1159,8 +1073,11 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
-    consume_tiles(crew, smem, tc, sg.blk1 - sg.blk0, acc, p.scale_log2, w, lane);
-    tc += sg.blk1 - sg.blk0;
+    for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
+      await_tile(crew, tc, w);
+      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
+      release_tile(crew, tc, lane);
+    }
     publish_row_stats(smem, acc, w, lane);
     const int first = ldg_nc_s32(p.num_splits + req);
     const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
@@ -1399,7 +1316,11 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
     if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
-    consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
+    for (int tc = 0; tc < ntiles; ++tc) {
+      await_tile(crew, tc, w);
+      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
+      release_tile(crew, tc, lane);
+    }
     publish_row_stats(smem, acc, w, lane);
     write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
                 p.sink + (int64_t)group * kHeadsPerCta);

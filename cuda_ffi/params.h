@@ -18,14 +18,14 @@ constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
 // the first split-consumer build asked for 128 + 2 x 192 = 512 and hung on the H200).
 constexpr int kLaunchRegs = (65536 / kThreads) & ~7;  // 168
 static_assert(kLaunchRegs == 168, "the register budgets below assume 384 threads");
-constexpr int kProducerRegs = 128;      // symmetric consumers, one tile at a time: 128 + 2 x 184 = 496
+constexpr int kProducerRegs = 128;       // symmetric consumers: 128 + 2 x 184 = 496
 constexpr int kConsumerRegs = 184;
-constexpr int kWideProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split) and the paired
-constexpr int kWideConsumerRegs = 192;  // decode's overlapped ones (consume_run_overlapped): 120 + 2 x 192
+constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
+constexpr int kSplitConsumerRegs = 192;
 constexpr bool regs_fit(int producer, int consumer) {
   return kProducerWarps * producer + kConsumerWarps * consumer <= (kProducerWarps + kConsumerWarps) * kLaunchRegs;
 }
-static_assert(regs_fit(kProducerRegs, kConsumerRegs) && regs_fit(kWideProducerRegs, kWideConsumerRegs),
+static_assert(regs_fit(kProducerRegs, kConsumerRegs) && regs_fit(kSplitProducerRegs, kSplitConsumerRegs),
               "setmaxnreg asks for more registers than the launch allocation holds");
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
 constexpr int kPlanThreads = 32;                                  // the split planner: one warp
