@@ -14,7 +14,7 @@
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
 #                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither, decode
-#                 without head-group pairs, the pair's proxy fence on the producer side, FlashMLA's
+#                 without head-group pairs, the pair's proxy fence in the consumers (consumer_fence), FlashMLA's
 #                 consumer split (warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) for
 #                 decode (wg_split) / symmetric consumers for prefill (no_wg_split), no L2 prefetch of
 #                 the next tile (no_prefetch)) and for
@@ -57,7 +57,7 @@ for s in "${stages[@]}"; do
     cuda-ablation)
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
-               "no_pair:--define DSV41_EXP_NO_PAIR" "pair_fence:--define DSV41_EXP_PAIR_PRODUCER_FENCE" \
+               "no_pair:--define DSV41_EXP_NO_PAIR" "consumer_fence:--define DSV41_EXP_PAIR_CONSUMER_FENCE" \
                "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH"; do
         name="${v%%:*}"; flags="${v#*:}"

@@ -96,6 +96,7 @@ struct Fiber {
     uint64_t da, db;
     int n;
     bool b_trans;
+    bool a_reg;  // A from registers: only B's bytes are summed
     uint64_t sum;
   };
   struct WgGroup {

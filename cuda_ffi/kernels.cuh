@@ -65,10 +65,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Named barriers: the whole CTA, the 256 consumers, FULL b = 2 + b, EMPTY b = 4 + b.
 enum : int { kBarCta = 0, kBarConsumers = 1, kBarFull0 = 2, kBarEmpty0 = 4 };
-// Split consumers only (consume_tile_split): P[b] written (warpgroup 0 arrives, 1 syncs), warpgroup 0
-// alone, and FULL b for warpgroup 1 (FULL b is then warpgroup 0's: each warpgroup waits for the tile
+// Split consumers only (consume_tile_split): P[b] written (warpgroup 0 arrives, 1 syncs) and FULL b
+// for warpgroup 1 (FULL b is then warpgroup 0's: each warpgroup waits for the tile
 // on its own, so warpgroup 0 can start tile n + 1 while warpgroup 1 is still in tile n).
-enum : int { kBarPReady0 = 6, kBarWg0 = 8, kBarFullWg1_0 = 9 };
+enum : int { kBarPReady0 = 6, kBarFullWg1_0 = 9 };
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -137,6 +137,14 @@ template <class C>
 DEVFN void crew_teardown(const C&) {
   if constexpr (C::ncta == 2 && DSV41_TEST_PLANT != 3) cluster_sync();
 }
+
+// Where a pair makes the rows it received visible to wgmma: after the producers' PFULL wait (default)
+// or, as before the sixth session, in every consumer thread after FULL (DSV41_EXP_PAIR_CONSUMER_FENCE).
+#ifdef DSV41_EXP_PAIR_CONSUMER_FENCE
+constexpr bool kConsumerPairFence = true;
+#else
+constexpr bool kConsumerPairFence = false;
+#endif
 
 // Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it stores into its
 // peer per tile: those tokens' f16 rows + its mask word (store_batch's st.async).
@@ -441,8 +449,9 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const 
     store_batch(smem, crew, buf, fp8, a.vmask, sh, b, lane, bt);
   }
   // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
-  // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence.
-  fence_proxy_async();
+  // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence
+  // (a pair's one comes after its PFULL wait in produce_tiles and covers these stores too).
+  if constexpr (C::ncta == 1 || kConsumerPairFence) fence_proxy_async();
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -482,9 +491,12 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
-#ifdef DSV41_EXP_PAIR_PRODUCER_FENCE  // experiment (not measured yet): one proxy fence here, none in await_tile
-      fence_proxy_async();
-#endif
+      // The peer's st.async rows, observed through the PFULL wait, and this warp's own stores: one
+      // proxy fence before FULL makes both visible to the consumers' wgmma (FlashMLA's consumers
+      // issue wgmma on the peer's rows right after their transaction-barrier wait, with no fence).
+      // Here rather than in every consumer thread, where `.shared::cluster` compiled to a GPU-scope
+      // MEMBAR per thread and tile on the decode's critical path (RESULTS.md, sixth session).
+      if constexpr (!kConsumerPairFence) fence_proxy_async();
     }
     bar_arrive(kBarFull0 + buf, C::full_count);
     if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
@@ -502,11 +514,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
 template <class C>
 DEVFN void await_tile(const C&, int tc, int w) {
   bar_sync((C::split && w >= 4 ? kBarFullWg1_0 : kBarFull0) + (tc & 1), C::full_count);
-  // pairs: this thread's view of the peer's stores (observed through the producers' PFULL wait),
-  // for its wgmma operand reads
-#ifndef DSV41_EXP_PAIR_PRODUCER_FENCE
-  if constexpr (C::ncta == 2) fence_proxy_async_cluster();
-#endif
+  if constexpr (C::ncta == 2 && kConsumerPairFence) fence_proxy_async_cluster();
 }
 template <class C>
 DEVFN void release_tile(const C& crew, int tc, int lane) {
@@ -655,16 +663,23 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
 // P (f16, one term: 11 significant bits) of this thread's 4J entries into the P tile of `buf`:
 // [64 heads][64 tokens], 128-byte rows, chunk c of row r at c ^ (r & 7). The thread holds rows
 // 16 (w & 3) + lane / 4 (+ 8) and, in column block j, chunk chunk0 + j.
+// pack_p: the entries as f16 pairs, pk[j][hr] = row r0 + 8 hr of column block j (also the A
+// fragments of a register-operand wgmma: wgmma_m64n256k16_rs_tb); store_p writes them.
 template <int J>
-DEVFN void store_p(char* smem, int buf, const float (&s)[J][4], int chunk0, int w, int lane) {
+DEVFN void pack_p(const float (&s)[J][4], uint32_t (&pk)[J][2]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) pk[j][hr] = pack_f16x2(s[j][2 * hr], s[j][2 * hr + 1]);
+}
+template <int J>
+DEVFN void store_p(char* smem, int buf, const uint32_t (&pk)[J][2], int chunk0, int w, int lane) {
   const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
   char* ps = smem + kSmemP + buf * kSmemPBytes;
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-      *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, chunk0 + j) + 4 * t) =
-          pack_f16x2(s[j][2 * hr], s[j][2 * hr + 1]);
+    for (int hr = 0; hr < 2; ++hr) *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, chunk0 + j) + 4 * t) = pk[j][hr];
 }
 
 // S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
@@ -707,6 +722,22 @@ DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
 }
+// The same with P from registers (pk: pack_p's words of all 64 tokens of the thread's rows; split
+// consumers' warpgroup 0): no shared-memory round trip, no barrier before it.
+DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
+  reg_fence<128>(&acc.o[0][0]);
+  wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA
+#pragma unroll
+  for (int kk = 0; kk < kTileTokens / 16; ++kk) {
+    const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
+    wgmma_m64n256k16_rs_tb(&acc.o[0][0], a, wgmma_desc_add(vd, 16u * 128u * kk));
+  }
+#endif
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence<128>(&acc.o[0][0]);
+}
 
 // sm_90a: warpgroup MMAs. Warpgroup th = w >> 2 computes S for tokens 32th..32th+31 of all 64
 // heads (m64n32k16 x 32 k-steps over the 512 dims, Q and K from shared memory), and then O for
@@ -727,7 +758,9 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
 
   float alpha[2];
   softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
-  store_p(smem, buf, s, 4 * (w >> 2), w, lane);
+  uint32_t pk[4][2];
+  pack_p(s, pk);
+  store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
   fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
@@ -775,7 +808,9 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 
   float alpha[2];
   softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
-  store_p(smem, buf, s, 4 * (w >> 2), w, lane);
+  uint32_t pk[4][2];
+  pack_p(s, pk);
+  store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
   if (th == 0 && t == 0) {
     alpha_s[16 * rq + g] = alpha[0];
     alpha_s[16 * rq + g + 8] = alpha[1];
@@ -820,8 +855,8 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 #if DSV41_WGMMA
 // FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
 // computes S for the whole tile (m64n64k16: no row-max exchange, two thirds of the operand bytes of
-// two m64n32 halves), the softmax, P into shared memory with the per-row alpha, and O[:, 0:256];
-// warpgroup 1 only rescales and adds P V into O[:, 256:512], so its PV of tile n runs while
+// two m64n32 halves), the softmax, P into shared memory with the per-row alpha (for warpgroup 1),
+// and O[:, 0:256] with its own P as the wgmma's register operand (pv_wgmma_regp); warpgroup 1 only rescales and adds P V into O[:, 256:512], so its PV of tile n runs while
 // warpgroup 0 computes S of tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
 // adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
@@ -852,22 +887,25 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
       const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
       exp_row(s, hr, base, alpha[hr], acc);
     }
-    store_p(smem, buf, s, 0, w, lane);
+    uint32_t pk[8][2];
+    pack_p(s, pk);
+    store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
     if (t == 0) {
       alpha_b[r0] = alpha[0];
       alpha_b[r0 + 8] = alpha[1];
     }
     fence_proxy_async();
     bar_arrive(kBarPReady0 + buf, kConsumerThreads);
-    bar_sync(kBarWg0, kConsumerThreads / 2);  // all of warpgroup 0's P for its own wgmma
-  } else {
-    bar_sync(kBarPReady0 + buf, kConsumerThreads);
-    alpha[0] = alpha_b[r0];
-    alpha[1] = alpha_b[r0 + 8];
+    rescale_o(acc, alpha);
+    pv_wgmma_regp(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
+    return;
   }
+  bar_sync(kBarPReady0 + buf, kConsumerThreads);
+  alpha[0] = alpha_b[r0];
+  alpha[1] = alpha_b[r0 + 8];
   rescale_o(acc, alpha);
   pv_wgmma(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
-           wgmma_desc(ka + 4u * 8192u * (uint32_t)th, 8192, 1024));
+           wgmma_desc(ka + 4u * 8192u, 8192, 1024));
 }
 #endif
 

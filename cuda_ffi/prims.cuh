@@ -576,6 +576,17 @@ DEVFN void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) {
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(da), "l"(db), "r"(1));
 }
+// d[128] += A[64x16] * B[16x256] (MN-major: transpose bit set), A from registers: this thread's
+// four f16x2 words of its warp's 16 rows, in the accumulator layout of m64nNk16 (a[0]: row g,
+// k 2t..2t+1; a[1]: row g + 8, same k; a[2], a[3]: k + 8), i.e. two adjacent 8-column blocks of an
+// m64nN accumulator packed by pack_f16x2 become one k-step's A (FlashAttention-3's P reuse).
+DEVFN void wgmma_m64n256k16_rs_tb(float* d, const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
 #else
 DEVFN void wgmma_fence() {}
 template <int N>
@@ -587,6 +598,7 @@ DEVFN void wgmma_wait() {}
 DEVFN void wgmma_m64n32k16(float*, uint64_t, uint64_t) { __trap(); }
 DEVFN void wgmma_m64n64k16(float*, uint64_t, uint64_t) { __trap(); }
 DEVFN void wgmma_m64n256k16_tb(float*, uint64_t, uint64_t) { __trap(); }
+DEVFN void wgmma_m64n256k16_rs_tb(float*, const uint32_t (&)[4], uint64_t) { __trap(); }
 #else
 namespace wgemu {
 // Byte offset of element (row, col) of an operand described by `desc` (128-byte swizzle).
@@ -610,16 +622,18 @@ inline float elem(uint64_t desc, int row, int col, bool kmajor) {
   std::memcpy(&h, emu::cur_cta->smem + elem_addr(desc, row, col, kmajor), 2);
   return f16_to_f32(h);
 }
-// Checksum of the shared-memory bytes one warp's wgmma reads: its 16 rows of A, all of B.
-inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, int wr) {
+// Checksum of the shared-memory bytes one warp's wgmma reads: its 16 rows of A (unless A comes
+// from registers), all of B.
+inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, bool a_reg, int wr) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](uint32_t a) {
     uint16_t x;
     std::memcpy(&x, emu::cur_cta->smem + a, 2);
     h = (h ^ x) * 1099511628211ull;
   };
-  for (int r = 16 * wr; r < 16 * wr + 16; ++r)
-    for (int k = 0; k < 16; ++k) mix(elem_addr(da, r, k, true));
+  if (!a_reg)
+    for (int r = 16 * wr; r < 16 * wr + 16; ++r)
+      for (int k = 0; k < 16; ++k) mix(elem_addr(da, r, k, true));
   for (int k = 0; k < 16; ++k)
     for (int c = 0; c < n; ++c) mix(b_trans ? elem_addr(db, k, c, false) : elem_addr(db, c, k, true));
   return h;
@@ -629,15 +643,24 @@ inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, int w
 // waited on (wgmma_wait<N>); until then d holds NaN, so reading an accumulator early shows up in
 // the results, and the wait checks that no operand byte changed in between. Chained wgmmas on the
 // same accumulator continue from its pending value (in the same group or in an earlier one still in
-// flight, as PTX allows for one shape).
-inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
-  struct In { uint64_t da, db; } in{da, db};
+// flight, as PTX allows for one shape). areg: A from registers (each lane's four f16x2 words,
+// wgmma_m64n256k16_rs_tb's layout), gathered from the warp's lanes; da is then unused.
+inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans, const uint32_t* areg = nullptr) {
+  struct In { uint64_t da, db; uint32_t a[4]; } in{areg ? 0 : da, db, {0, 0, 0, 0}};
+  if (areg) std::memcpy(in.a, areg, sizeof in.a);
   const int lane = lane_idx(), wr = warp_idx() & 3;
+  float ar[16][16] = {};  // register A: [row of the warp's 16][k]
   emu::warp_collective(emu::kTagWgmma, &in, sizeof in, [&](auto& dd) {
     for (int l = 0; l < 32; ++l) {
       In x;
       std::memcpy(&x, dd[l], sizeof x);
       if (x.da != in.da || x.db != in.db) emu::fail("wgmma: lanes of a warp passed different descriptors");
+      const int lg = l >> 2, lt = l & 3;
+      for (int i = 0; i < 4; ++i) {
+        const int r = lg + 8 * (i & 1), k = 2 * lt + 8 * (i >> 1);
+        ar[r][k] = f16_to_f32((uint16_t)(x.a[i] & 0xffffu));
+        ar[r][k + 1] = f16_to_f32((uint16_t)(x.a[i] >> 16));
+      }
     }
   });
   auto& gs = emu::cur_fiber->wgmma_groups;
@@ -663,10 +686,11 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans) {
       const int row = 16 * wr + g + 8 * (e >> 1), col = 8 * nb + 2 * t + (e & 1);
       float v = (*acc)[4 * nb + e];
       for (int k = 0; k < 16; ++k)
-        v += elem(da, row, k, true) * (b_trans ? elem(db, k, col, false) : elem(db, col, k, true));
+        v += (areg ? ar[row - 16 * wr][k] : elem(da, row, k, true)) *
+             (b_trans ? elem(db, k, col, false) : elem(db, col, k, true));
       (*acc)[4 * nb + e] = v;
     }
-  if (lane == 0) grp.reads.push_back({da, db, n, b_trans, operand_sum(da, db, n, b_trans, wr)});
+  if (lane == 0) grp.reads.push_back({da, db, n, b_trans, areg != nullptr, operand_sum(da, db, n, b_trans, areg != nullptr, wr)});
   for (int i = 0; i < n / 2; ++i) d[i] = NAN;
 }
 inline void commit() {  // with no wgmma since the last commit: an empty group (it counts for wait)
@@ -682,7 +706,7 @@ inline void wait(int n_left) {
   while (closed > n_left) {
     auto& g = gs.front();
     for (auto& r : g.reads)
-      if (operand_sum(r.da, r.db, r.n, r.b_trans, wr) != r.sum)
+      if (operand_sum(r.da, r.db, r.n, r.b_trans, r.a_reg, wr) != r.sum)
         emu::fail("wgmma: a shared-memory operand changed while the wgmma was in flight");
     for (auto& a : g.acc) {
       bool later = false;  // a later group still in flight accumulates into d: it stays undefined
@@ -701,6 +725,7 @@ inline void wgmma_wait() { wgemu::wait(N); }
 inline void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 32, da, db, false); }
 inline void wgmma_m64n64k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 64, da, db, false); }
 inline void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 256, da, db, true); }
+inline void wgmma_m64n256k16_rs_tb(float* d, const uint32_t (&a)[4], uint64_t db) { wgemu::run(d, 256, 0, db, true, a); }
 #endif
 #endif
 
