@@ -77,8 +77,11 @@ int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out,
   std::string err = dsv41::make_prefill_params(in, out, softmax_scale, &p);
   if (!err.empty()) return report("dsv41_sparse_mla_prefill: " + err, errbuf, errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q;
-  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) { dsv41::prefill_cta(p, smem); }, seed,
-              workers);
+  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
+                if (p.pair) dsv41::prefill_cta<true>(p, smem);
+                else dsv41::prefill_cta<false>(p, smem);
+              }, seed,
+              workers, p.pair ? 2 : 1);
   return 0;
 }
 

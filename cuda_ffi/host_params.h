@@ -266,6 +266,17 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
   return "";
 }
 
+// Prefill pairs (head groups 2k, 2k + 1 of one query token sharing each tile's gather, as decode's):
+// the DSV41_EXP_PREFILL_PAIR experiment build only (bf16 rows measured slower paired on 2026-11-30).
+inline int32_t prefill_pair_groups(int64_t num_groups) {
+#ifdef DSV41_EXP_PREFILL_PAIR
+  return num_groups % 2 == 0 ? 1 : 0;
+#else
+  (void)num_groups;
+  return 0;
+#endif
+}
+
 // Prefill: q [s_q, h_pad, 512] bf16, kv [s_kv, 512] bf16, indices [s_q, topk] int32, topk_length
 // [s_q] int32, attn_sink [h_pad] f32; results out [s_q, h_pad, 512] bf16, max_logits and lse
 // [s_q, h_pad] f32.
@@ -316,6 +327,7 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->s_q = (int32_t)s_q;
   p->h_pad = (int32_t)h_pad;
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
+  p->pair = prefill_pair_groups(p->num_groups);
   return "";
 }
 

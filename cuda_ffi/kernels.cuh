@@ -1328,11 +1328,13 @@ DEVFN void combine_cta(const DecodeParams& p) {
 // One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
 // query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
 // max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
-// Always one CTA per group: for bf16 rows (no dequantisation) a pair's remote stores cost more than
-// the halved gather saves (measured 8.1 ms paired vs 6.5 ms single, RESULTS.md cuda pair ablation).
+// One CTA per group (kPair false): for bf16 rows (no dequantisation) a pair's remote stores cost more
+// than the halved gather saves (measured 8.1 ms paired vs 6.5 ms single, RESULTS.md cuda pair
+// ablation); the DSV41_EXP_PREFILL_PAIR build (p.pair) runs groups 2k, 2k + 1 as decode's pairs.
+template <bool kPair>
 DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const auto crew = crew_setup<false, kPrefillSplit>(smem);
+  const auto crew = crew_setup<kPair, kPrefillSplit>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;

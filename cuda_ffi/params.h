@@ -86,6 +86,7 @@ struct PrefillParams {
   Pool kv;             // bf16 rows: capacity = s_kv, lengths per query token
   float scale_log2;
   int32_t s_q, h_pad, num_groups;
+  int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
 };
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P

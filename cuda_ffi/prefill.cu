@@ -4,18 +4,21 @@
 
 namespace dsv41 {
 
+template <bool kPair>
 __global__ void __launch_bounds__(kThreads, 1) dsv41_prefill_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(128) char smem[];
-  prefill_cta(p, smem);
+  prefill_cta<kPair>(p, smem);
 }
 
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
-  static unsigned long long done = 0;
+  static unsigned long long done[2] = {0, 0};
   const long long grid = (long long)p.num_groups * p.s_q;
   if (grid <= 0) return cudaSuccess;
-  cudaError_t e = ensure_smem_limit((const void*)dsv41_prefill_kernel, kSmemLaunchBytes, &done);
+  const bool pair = p.pair != 0;
+  auto* kernel = pair ? dsv41_prefill_kernel<true> : dsv41_prefill_kernel<false>;
+  cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
   if (e != cudaSuccess) return e;
-  return launch_attention(dsv41_prefill_kernel, p, grid, false, stream);
+  return launch_attention(kernel, p, grid, pair, stream);
 }
 
 }  // namespace dsv41

@@ -348,10 +348,11 @@ def test_emulated_flipped_consumer_shapes(tmp_path):
     # The default build gives decode the symmetric consumers and prefill the split ones (warpgroup 0:
     # S, softmax, O[:, :256]; warpgroup 1: O[:, 256:]); this emulator flips both (DSV41_EXP_WG_SPLIT,
     # DSV41_EXP_NO_WG_SPLIT): split decode in single CTAs, pairs, split requests, bf16 and fp8, and a
-    # symmetric prefill.
+    # symmetric prefill; it also runs prefill's even head groups as 2-CTA pairs (DSV41_EXP_PREFILL_PAIR).
     if cbuild.find_cxx() is None:
         pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_WG_SPLIT", "DSV41_EXP_NO_WG_SPLIT"))
+    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_WG_SPLIT", "DSV41_EXP_NO_WG_SPLIT",
+                                                                  "DSV41_EXP_PREFILL_PAIR"))
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
                        timeout=600)
