@@ -83,23 +83,6 @@ inline int64_t fp8_page_bytes(int64_t block_size) {
 
 constexpr int64_t kMaxI32 = 2147483647;
 
-// Division of a slot (< 2^31) by the pool's block size as a multiply-high and a shift (the kernel's
-// producers split every token's slot into block and offset; a division instruction sequence was ~25
-// instructions per token). For 2 <= d < 2^31: l = ceil(log2 d), m = ceil(2^(31 + l) / d) < 2^32 and
-// floor(n / d) = (n * m) >> (31 + l) for all n < 2^31 (the round-up method for 31-bit numerators).
-inline void block_size_divisor(Pool* pool) {
-  const uint64_t d = (uint64_t)pool->block_size;
-  if (d <= 1) {
-    pool->bs_mul = 0;
-    pool->bs_shift = 0;
-    return;
-  }
-  uint32_t l = 0;
-  while ((1ull << l) < d) ++l;
-  pool->bs_mul = (uint32_t)(((1ull << (31 + l)) + d - 1) / d);
-  pool->bs_shift = l - 1;  // (n * m) >> 32, then >> (l - 1)
-}
-
 // A paged cache + its indices/lengths. `which` is "kv_cache" or "extra_kv_cache".
 inline std::string make_pool(const char* which, const char* idx_name, const char* len_name, const TensorView& cache,
                              const TensorView& idx, const TensorView& len, int64_t fmt, int64_t block_size,
@@ -134,7 +117,6 @@ inline std::string make_pool(const char* which, const char* idx_name, const char
   pool->block_size = (int32_t)block_size;
   pool->fmt = (int32_t)fmt;
   pool->topk = (int32_t)idx.dims[2];
-  block_size_divisor(pool);
   pool->pad_ = 0;
   return "";
 }
@@ -338,7 +320,6 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->kv.indices = static_cast<const int32_t*>(idx.data);
   p->kv.lengths = static_cast<const int32_t*>(tl.data);
   p->kv.block_size = 1;
-  block_size_divisor(&p->kv);
   p->kv.fmt = kFmtBf16;
   p->kv.topk = (int32_t)idx.dims[1];
   p->kv.pad_ = 0;

@@ -192,7 +192,7 @@ DEVFN void dequant16(const uint4& raw, uint32_t e8m0, uint4& first, uint4& secon
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       o[2 * i] = hmul2(e4m3x2_to_f16x2(wv[i] & 0xffffu), sc2);  // elements 4i, 4i+1
-      o[2 * i + 1] = hmul2(e4m3x2_hi_to_f16x2(wv[i]), sc2);     // elements 4i+2, 4i+3
+      o[2 * i + 1] = hmul2(e4m3x2_to_f16x2(wv[i] >> 16), sc2);  // elements 4i+2, 4i+3
     }
   } else {
     // UE8M0 scale 2^(byte-127), built exactly (byte 0 -> 2^-127, a float subnormal).
@@ -281,9 +281,8 @@ DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB
     const int32_t i = idx.v[b];
     const bool valid = pos < t.len && i >= 0 && (int64_t)i < cap;
     if (valid) {
-      if (fp8) {  // 0 <= i < 2^31: block = i / bs by the pool's multiplier (host_params.h)
-        const uint32_t mul = DSV41_POOL(ps, t, bs_mul);
-        const uint32_t blk = mul ? umulhi32((uint32_t)i, mul) >> DSV41_POOL(ps, t, bs_shift) : (uint32_t)i;
+      if (fp8) {  // 0 <= i < capacity < 2^31: a 32-bit division
+        const uint32_t blk = (uint32_t)i / (uint32_t)bs;
         const uint32_t off = (uint32_t)i - blk * (uint32_t)bs;
         a.doff[b] = (int64_t)blk * pb + (int64_t)off * kFp8TokenData;
         a.soff[b] = (int64_t)blk * pb + (int64_t)bs * kFp8TokenData + (int64_t)off * kFp8TokenScale;
@@ -338,9 +337,6 @@ struct Batch {
 
 DEVFN int bf16_chunk(int i, int lane) { return 8 * (i >> 1) + 4 * ((i & 1) ^ ((lane >> 2) & 1)) + (lane & 3); }
 
-// Invalid tokens' registers stay zero (fp8: scale byte 127, the fast dequantisation path). A lane's
-// fp8 addresses are one 64-bit base plus constant offsets folded into the loads. (Zeroing only the
-// nine chunks fp8 uses, or zeroing in an else branch, made prefill's producers spill 220-280 bytes.)
 template <int NB>
 DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int b, int lane, Batch& bt) {
 #pragma unroll
@@ -354,12 +350,10 @@ DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, 
   const uint8_t* d = base + a.doff[b];
   const int q = lane & 3;
   if (DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla) {  // warp-uniform
-    const uint8_t* dq = d + 16 * q;       // e4m3 chunk q + 4i at dq + 64 i
-    const uint8_t* r = d + 448 + 32 * q;  // this lane's 32 RoPE bytes
 #pragma unroll
-    for (int i = 0; i < 7; ++i) bt.v[i] = ldg_nc_v4(dq + 64 * i);
-    bt.v[7] = ldg_nc_v4(r);
-    bt.v[8] = ldg_nc_v4(r + 16);
+    for (int i = 0; i < 7; ++i) bt.v[i] = ldg_nc_v4(d + 16 * (q + 4 * i));
+    bt.v[7] = ldg_nc_v4(d + 448 + 32 * q);
+    bt.v[8] = ldg_nc_v4(d + 448 + 32 * q + 16);
     bt.sc = ldg_nc_v2(base + a.soff[b]);
   } else {
 #pragma unroll

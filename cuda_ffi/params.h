@@ -46,8 +46,6 @@ struct Pool {
   int32_t block_size;
   int32_t fmt;             // KvFormat
   int32_t topk;            // row length of `indices`
-  uint32_t bs_mul;         // slot / block_size = umulhi(slot, bs_mul) >> bs_shift for slot < 2^31
-  uint32_t bs_shift;       // (block_size_divisor in host_params.h; bs_mul 0: block_size 1)
   int32_t pad_;
 };
 

@@ -114,15 +114,6 @@ inline uint32_t ballot(bool p) {
 }
 #endif
 
-// High 32 bits of the 64-bit product of two u32.
-DEVFN uint32_t umulhi32(uint32_t a, uint32_t b) {
-#if DSV41_DEVICE
-  return __umulhi(a, b);
-#else
-  return (uint32_t)(((uint64_t)a * b) >> 32);
-#endif
-}
-
 // ------------------------------------------------------------------------------ global loads
 // Read-only (non-coherent) loads: only for buffers nothing writes during the kernel.
 #if DSV41_DEVICE
@@ -256,17 +247,6 @@ DEVFN uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
 #else
   const float2 f = e4m3x2_to_f32x2(two_bytes);
   return pack_f16x2(f.x, f.y);
-#endif
-}
-// The same for the upper 16 bits of `w` (elements 2, 3 of four): the PTX half move lets ptxas
-// read the upper half directly instead of shifting it down first.
-DEVFN uint32_t e4m3x2_hi_to_f16x2(uint32_t w) {
-#if DSV41_DEVICE
-  uint32_t h2;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(h2) : "r"(w));
-  return h2;
-#else
-  return e4m3x2_to_f16x2(w >> 16);
 #endif
 }
 // Two e4m3 (OCP fp8, finite-only "fn" variant) in one 16-bit word -> two f32; the low byte is
