@@ -18,7 +18,8 @@
 #                 consumer split (warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) for
 #                 decode (wg_split) / symmetric consumers for prefill (no_wg_split), no L2 prefetch of
 #                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
-#                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16)) and for
+#                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
+#                 rows sent to the peer by cp.async.bulk instead of st.async (pair_bulk)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
@@ -61,7 +62,8 @@ for s in "${stages[@]}"; do
                "no_pair:--define DSV41_EXP_NO_PAIR" "consumer_fence:--define DSV41_EXP_PAIR_CONSUMER_FENCE" \
                "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
-               "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16"; do
+               "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
+               "pair_bulk:--define DSV41_EXP_PAIR_BULK"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

@@ -149,6 +149,15 @@ constexpr bool kConsumerPairFence = true;
 constexpr bool kConsumerPairFence = false;
 #endif
 
+// How a pair's producer warp sends its rows to the peer: each lane's 16-byte st.async per chunk
+// (default), or, under DSV41_EXP_PAIR_BULK (experiment, not measured yet), local stores only and then
+// one lane's eight 1 KB cp.async.bulk copies (the warp's 8 rows are contiguous in each column block).
+#ifdef DSV41_EXP_PAIR_BULK
+constexpr bool kPairBulk = true;
+#else
+constexpr bool kPairBulk = false;
+#endif
+
 // Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it stores into its
 // peer per tile: those tokens' f16 rows + its mask word (store_batch's st.async).
 constexpr int kPairTokensPerWarp = kTileTokens / 2 / kProducerWarps;
@@ -407,11 +416,11 @@ template <class C>
 DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vmask, const Share& sh, int b,
                        int lane, const Batch& bt) {
   char* kbuf = smem + kSmemK + buf * kTileBytes;
-  constexpr bool remote = C::ncta == 2;
+  constexpr bool remote = C::ncta == 2 && !kPairBulk;  // rows by st.async (the mask word always is)
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
-  if (lane == 0) store_valid_word(smem, remote, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
+  if (lane == 0) store_valid_word(smem, C::ncta == 2, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
   const int row = sh.base + 8 * b + (lane >> 2), q = lane & 3, r7 = row & 7;
   if (fp8) {  // warp-uniform
     const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
@@ -430,6 +439,17 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
       const int k = bf16_chunk(i, lane);
       store_chunk(kbuf, remote, rbuf, rbar, (k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4),
                   C::bf16 ? bt.v[i] : bf16x8_to_f16x8(bt.v[i]));
+    }
+  }
+  if constexpr (C::ncta == 2 && kPairBulk) {
+    // rows sh.base + 8b .. + 7: 1 KB at j * 8192 + 128 * row0 of column block j, in both CTAs
+    fence_proxy_async();  // this lane's stores -> the async proxy that reads the copy's source
+    syncwarp();
+    if (lane == 0) {
+      const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
     }
   }
 }

@@ -363,6 +363,15 @@ DEVFN void st_async_v4(uint32_t caddr, const uint4& v, uint32_t cbar) {
                "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cbar)
                : "memory");
 }
+// cp.async.bulk from this CTA's shared memory (saddr) to another CTA's (cluster address caddr): `bytes`
+// (a multiple of 16, both 16-byte aligned), completing that many bytes of the transaction count of
+// mbarrier `cbar` in the destination CTA. An async-proxy read of the source: generic stores into it
+// need fence.proxy.async first.
+DEVFN void bulk_copy_to_peer(uint32_t caddr, uint32_t saddr, uint32_t bytes, uint32_t cbar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(caddr),
+               "r"(saddr), "r"(bytes), "r"(cbar)
+               : "memory");
+}
 DEVFN void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(caddr), "r"(v),
                "r"(cbar)
@@ -389,6 +398,12 @@ inline void mbar_arrive(uint32_t caddr) { emu::mbar_arrive(caddr); }
 inline void mbar_arrive_expect_tx(uint32_t saddr, uint32_t bytes) { emu::mbar_arrive(saddr | emu::cluster_self(), bytes); }
 inline void st_async_v4(uint32_t caddr, const uint4& v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
 inline void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
+// (the source bytes are read at issue: the kernel may not rewrite them before the copy completes)
+inline void bulk_copy_to_peer(uint32_t caddr, uint32_t saddr, uint32_t bytes, uint32_t cbar) {
+  if ((caddr | saddr | bytes) & 15u) emu::fail("cp.async.bulk: addresses and size must be multiples of 16");
+  if (saddr + bytes > emu::cur_cta->smem_bytes) emu::fail("cp.async.bulk: source outside the CTA's shared memory");
+  emu::st_async(caddr, emu::cur_cta->smem + saddr, bytes, cbar);
+}
 inline void mbar_wait(uint32_t saddr, uint32_t parity) { emu::mbar_wait(saddr, parity); }
 #endif
 
