@@ -32,8 +32,8 @@
 // Producer/consumer hand-off uses named barriers per K buffer: FULL[b] (producers arrive, consumers
 // sync) and EMPTY[b] (consumers arrive, producers sync); a decode head-group pair (2-CTA cluster
 // that splits every tile's gather) adds the peer's mbarriers, waited on by producers only (see
-// "crew" below). Consumer-only exchanges use one 256-thread named barrier (split consumers: P-ready
-// and warpgroup-0 barriers and a FULL[b] per warpgroup instead; enum below). Both roles of every CTA
+// "crew" below). Consumer-only exchanges use one 256-thread named barrier (split consumers: a P-ready
+// barrier and a FULL[b] per warpgroup instead; enum below). Both roles of every CTA
 // of a crew walk the same tile sequence, so the counts always balance (producers drain the last
 // EMPTYs).
 //
@@ -422,7 +422,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
   if (lane == 0) store_valid_word(smem, C::ncta == 2, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
   const int row = sh.base + 8 * b + (lane >> 2), q = lane & 3, r7 = row & 7;
-  if (fp8) {  // warp-uniform
+  if (!C::bf16 && fp8) {  // warp-uniform (bf16-operand crews: prefill, bf16 rows only)
     const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
     // One warp-uniform test of all seven scale bytes instead of a (possibly divergent) branch per chunk.
     bool fast = true;
@@ -443,7 +443,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
   }
   if constexpr (C::ncta == 2 && kPairBulk) {
     // rows sh.base + 8b .. + 7: 1 KB at j * 8192 + 128 * row0 of column block j, in both CTAs
-    fence_proxy_async();  // this lane's stores -> the async proxy that reads the copy's source
+    fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
     syncwarp();
     if (lane == 0) {
       const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
@@ -519,6 +519,10 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
       // issue wgmma on the peer's rows right after their transaction-barrier wait, with no fence).
       // Here rather than in every consumer thread, where `.shared::cluster` compiled to a GPU-scope
       // MEMBAR per thread and tile on the decode's critical path (RESULTS.md, sixth session).
+      // Two assumptions, shared with FlashMLA and CUTLASS's cluster pipelines, not spelled out by the
+      // PTX ISA: the `.shared::cta` fence covers rows the peer wrote through `.shared::cluster`
+      // addresses into this CTA's window, and the CTA-scope acquire of the PFULL wait observes the
+      // peer's st.async data (complete_tx releases at cluster scope; prims.cuh, mbarriers).
       if constexpr (!kConsumerPairFence) fence_proxy_async();
     }
     bar_arrive(kBarFull0 + buf, C::full_count);
@@ -882,8 +886,9 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
 // computes S for the whole tile (m64n64k16: no row-max exchange, two thirds of the operand bytes of
 // two m64n32 halves), the softmax, P into shared memory with the per-row alpha (for warpgroup 1),
-// and O[:, 0:256] with its own P as the wgmma's register operand (pv_wgmma_regp); warpgroup 1 only rescales and adds P V into O[:, 256:512], so its PV of tile n runs while
-// warpgroup 0 computes S of tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
+// and O[:, 0:256] with its own P as the wgmma's register operand (pv_wgmma_regp); warpgroup 1 only
+// rescales and adds P V into O[:, 256:512], so its PV of tile n runs while warpgroup 0 computes S of
+// tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
 // adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's

@@ -14,8 +14,13 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   static unsigned long long done[2] = {0, 0};
   const long long grid = (long long)p.num_groups * p.s_q;
   if (grid <= 0) return cudaSuccess;
+#ifdef DSV41_EXP_PREFILL_PAIR
   const bool pair = p.pair != 0;
   auto* kernel = pair ? dsv41_prefill_kernel<true> : dsv41_prefill_kernel<false>;
+#else  // p.pair is always 0 (host_params.h): the paired kernel is not built
+  const bool pair = false;
+  auto* kernel = dsv41_prefill_kernel<false>;
+#endif
   cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
   if (e != cudaSuccess) return e;
   return launch_attention(kernel, p, grid, pair, stream);

@@ -398,7 +398,8 @@ inline void mbar_arrive(uint32_t caddr) { emu::mbar_arrive(caddr); }
 inline void mbar_arrive_expect_tx(uint32_t saddr, uint32_t bytes) { emu::mbar_arrive(saddr | emu::cluster_self(), bytes); }
 inline void st_async_v4(uint32_t caddr, const uint4& v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
 inline void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
-// (the source bytes are read at issue: the kernel may not rewrite them before the copy completes)
+// (the source bytes are read at issue, so a kernel that rewrote them before the copy completed would
+// go unnoticed here; the proxy fence before it is not modelled either)
 inline void bulk_copy_to_peer(uint32_t caddr, uint32_t saddr, uint32_t bytes, uint32_t cbar) {
   if ((caddr | saddr | bytes) & 15u) emu::fail("cp.async.bulk: addresses and size must be multiples of 16");
   if (saddr + bytes > emu::cur_cta->smem_bytes) emu::fail("cp.async.bulk: source outside the CTA's shared memory");
@@ -495,9 +496,10 @@ DEVFN void mma_f16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t 
 
 
 // ------------------------------------------------------------------------------ wgmma (sm_90a)
-// Warpgroup MMA, f16 x f16 -> f32, both operands from shared memory through 64-bit matrix
-// descriptors. Only the sm_90a device build issues them (DSV41_WGMMA); the emulator computes the
-// same products from the same descriptors, warp by warp (warp r of the warpgroup owns rows
+// Warpgroup MMA, f16 x f16 (or bf16 x bf16) -> f32, operands from shared memory through 64-bit
+// matrix descriptors (A may instead come from registers: wgmma_m64n256k16_rs_tb). Only the sm_90a
+// device build issues them (DSV41_WGMMA); the emulator computes the same products from the same
+// descriptors, warp by warp (warp r of the warpgroup owns rows
 // 16r..16r+15, as on the GPU).
 //
 // Descriptor (PTX ISA, "Matrix Descriptor Format", wgmma): bits 0-13 start address >> 4, 16-29
@@ -547,14 +549,22 @@ DEVFN uint64_t wgmma_desc_add(uint64_t desc, uint32_t off) {
   return (desc & 0xffffffff00000000ull) | (uint32_t)((uint32_t)desc + (off >> 4));
 }
 
-// Generic-proxy shared-memory writes (st.shared) become visible to the async proxy (wgmma
-// operand reads) once the writer executed this and then synchronised with the reader.
+// Generic-proxy shared-memory writes (st.shared) become visible to the async proxy (wgmma operand
+// reads) once a thread that wrote them, or observed them through a barrier or mbarrier, executed this
+// and then synchronised with the reader. A no-op where nothing reads shared memory through the async
+// proxy (builds without wgmma), except fence_proxy_async_always (cp.async.bulk sources).
 DEVFN void fence_proxy_async() {
 #if DSV41_DEVICE && DSV41_WGMMA
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-// The same for stores into another CTA's shared memory (st.shared::cluster).
+DEVFN void fence_proxy_async_always() {
+#if DSV41_DEVICE
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// The consumers' fence of the DSV41_EXP_PAIR_CONSUMER_FENCE build (peer rows written through
+// st.shared::cluster / st.async).
 DEVFN void fence_proxy_async_cluster() {
 #if DSV41_DEVICE && DSV41_WGMMA
   asm volatile("fence.proxy.async.shared::cluster;" ::: "memory");
@@ -716,6 +726,7 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans, bool bf
       In x;
       std::memcpy(&x, dd[l], sizeof x);
       if (x.da != in.da || x.db != in.db) emu::fail("wgmma: lanes of a warp passed different descriptors");
+      if (!areg) continue;
       const int lg = l >> 2, lt = l & 3;
       for (int i = 0; i < 4; ++i) {
         const int r = lg + 8 * (i & 1), k = 2 * lt + 8 * (i >> 1);
