@@ -270,7 +270,7 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
 // the DSV41_EXP_PREFILL_PAIR experiment build only (bf16 rows measured slower paired on 2026-11-30).
 inline int32_t prefill_pair_groups(int64_t num_groups) {
 #ifdef DSV41_EXP_PREFILL_PAIR
-  return num_groups % 2 == 0 ? 1 : 0;
+  return pair_groups(num_groups);
 #else
   (void)num_groups;
   return 0;

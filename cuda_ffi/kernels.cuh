@@ -941,9 +941,11 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
 }
 #endif
 
-// Which consumers each kernel uses (measured on the H200, RESULTS.md "cuda split consumers"): the split
-// wins for prefill (5878 -> 5412 us) and loses for the paired decode (534 -> 550 us, whose producers
-// and pair hand-off are the limit). DSV41_EXP_WG_SPLIT / DSV41_EXP_NO_WG_SPLIT flip them for ablations.
+// Which consumers each kernel uses (measured on the H200, RESULTS.md "cuda split consumers" and "cuda
+// sixth session"): the split wins for prefill (5878 -> 5412 us); for the paired decode it lost 3% with
+// warpgroup 0's P through shared memory and, with P from registers, gains 0.7-1.6% (within the spread
+// between calls), so decode keeps the symmetric consumers for now. DSV41_EXP_WG_SPLIT /
+// DSV41_EXP_NO_WG_SPLIT flip them for ablations.
 #ifdef DSV41_EXP_WG_SPLIT
 constexpr bool kDecodeSplit = true;
 #else
