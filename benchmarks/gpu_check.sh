@@ -19,9 +19,7 @@
 #                 decode (wg_split) / symmetric consumers for prefill (no_wg_split), no L2 prefetch of
 #                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
 #                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
-#                 rows sent to the peer by cp.async.bulk instead of st.async (pair_bulk), the
-#                 consumers instead of the producers waiting for the peer's half (consumer_pfull, and
-#                 combined: pfull_nofence, pfull_wg_split, pfull_bulk, pfull_neither)) and for
+#                 rows sent to the peer by cp.async.bulk instead of st.async (pair_bulk)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
@@ -65,11 +63,7 @@ for s in "${stages[@]}"; do
                "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
-               "pair_bulk:--define DSV41_EXP_PAIR_BULK" "consumer_pfull:--define DSV41_EXP_CONSUMER_PFULL" \
-               "pfull_nofence:--define DSV41_EXP_CONSUMER_PFULL --define DSV41_EXP_PFULL_NO_FENCE" \
-               "pfull_wg_split:--define DSV41_EXP_CONSUMER_PFULL --define DSV41_EXP_WG_SPLIT" \
-               "pfull_bulk:--define DSV41_EXP_CONSUMER_PFULL --define DSV41_EXP_PAIR_BULK" \
-               "pfull_neither:--define DSV41_EXP_CONSUMER_PFULL --define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA"; do
+               "pair_bulk:--define DSV41_EXP_PAIR_BULK"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

@@ -149,17 +149,6 @@ constexpr bool kConsumerPairFence = true;
 constexpr bool kConsumerPairFence = false;
 #endif
 
-// Who waits for the peer's half of a tile (PFULL): the producers, before they arrive at FULL
-// (default), or, under DSV41_EXP_CONSUMER_PFULL, the consumers after FULL, as FlashMLA's consumers
-// do: the producers then arrive at PFULL and FULL and go on to the next tile without waiting for
-// the peer's stores to land. The consumers' proxy fence after that wait makes the peer's rows
-// visible to wgmma (DSV41_EXP_PFULL_NO_FENCE, timing only: none, as in FlashMLA).
-#ifdef DSV41_EXP_CONSUMER_PFULL
-constexpr bool kConsumerPfull = true;
-#else
-constexpr bool kConsumerPfull = false;
-#endif
-
 // How a pair's producer warp sends its rows to the peer: each lane's 16-byte st.async per chunk
 // (default), or, under DSV41_EXP_PAIR_BULK (experiment, not measured yet), local stores only and then
 // one lane's eight 1 KB cp.async.bulk copies (the warp's 8 rows are contiguous in each column block).
@@ -485,7 +474,7 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const 
   // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
   // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence
   // (a pair's one comes after its PFULL wait in produce_tiles and covers these stores too).
-  if constexpr (C::ncta == 1 || kConsumerPairFence || kConsumerPfull) fence_proxy_async();
+  if constexpr (C::ncta == 1 || kConsumerPairFence) fence_proxy_async();
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -524,7 +513,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
-      if (!kConsumerPfull && DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
+      if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
       // The peer's st.async rows, observed through the PFULL wait, and this warp's own stores: one
       // proxy fence before FULL makes both visible to the consumers' wgmma (FlashMLA's consumers
       // issue wgmma on the peer's rows right after their transaction-barrier wait, with no fence).
@@ -534,7 +523,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
       // PTX ISA: the `.shared::cta` fence covers rows the peer wrote through `.shared::cluster`
       // addresses into this CTA's window, and the CTA-scope acquire of the PFULL wait observes the
       // peer's st.async data (complete_tx releases at cluster scope; prims.cuh, mbarriers).
-      if constexpr (!kConsumerPairFence && !kConsumerPfull) fence_proxy_async();
+      if constexpr (!kConsumerPairFence) fence_proxy_async();
     }
     bar_arrive(kBarFull0 + buf, C::full_count);
     if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
@@ -550,14 +539,8 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
 
 // Consumers, before reading tile tc / after their last read of it.
 template <class C>
-DEVFN void await_tile(const C&, char* smem, int tc, int w) {
+DEVFN void await_tile(const C&, int tc, int w) {
   bar_sync((C::split && w >= 4 ? kBarFullWg1_0 : kBarFull0) + (tc & 1), C::full_count);
-  if constexpr (C::ncta == 2 && kConsumerPfull) {
-    if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(tc & 1)), (uint32_t)(tc >> 1) & 1u);
-#ifndef DSV41_EXP_PFULL_NO_FENCE
-    fence_proxy_async();
-#endif
-  }
   if constexpr (C::ncta == 2 && kConsumerPairFence) fence_proxy_async_cluster();
 }
 template <class C>
@@ -1172,7 +1155,7 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
     for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
-      await_tile(crew, smem, tc, w);
+      await_tile(crew, tc, w);
       consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
@@ -1417,7 +1400,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     if (ntiles > 0) load_q<crew.bf16>(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
     for (int tc = 0; tc < ntiles; ++tc) {
-      await_tile(crew, smem, tc, w);
+      await_tile(crew, tc, w);
       consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
       release_tile(crew, tc, lane);
     }
