@@ -14,12 +14,13 @@
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
 #                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither, decode
-#                 without head-group pairs, the pair's proxy fence in the consumers (consumer_fence), FlashMLA's
+#                 without head-group pairs, FlashMLA's
 #                 consumer split (warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) for
 #                 decode (wg_split) / symmetric consumers for prefill (no_wg_split), no L2 prefetch of
 #                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
 #                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
-#                 rows sent to the peer by cp.async.bulk instead of st.async (pair_bulk)) and for
+#                 rows sent to the peer by lane st.async stores instead of cp.async.bulk (pair_st_async),
+#                 the bulk copies issued by 8 lanes instead of one (bulk_lanes)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
@@ -59,11 +60,11 @@ for s in "${stages[@]}"; do
     cuda-ablation)
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
-               "no_pair:--define DSV41_EXP_NO_PAIR" "consumer_fence:--define DSV41_EXP_PAIR_CONSUMER_FENCE" \
+               "no_pair:--define DSV41_EXP_NO_PAIR" \
                "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
-               "pair_bulk:--define DSV41_EXP_PAIR_BULK"; do
+               "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" "bulk_lanes:--define DSV41_EXP_BULK_LANES"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

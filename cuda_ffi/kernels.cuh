@@ -85,14 +85,16 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // Inside a CTA the hand-off uses named barriers per K buffer (hardware waits, no polling): FULL[b]
 // (producers arrive, consumers sync) and EMPTY[b] (consumers arrive, producers sync). A pair adds
 // two mbarriers per buffer in each CTA (kSmemBars): PFULL[b] completes when this CTA's producer
-// warps have arrived (each expecting the bytes of its peer counterpart) and the peer's st.async
-// stores into this CTA have landed (their complete_tx brings the transaction count back to 0);
+// warps have arrived (each expecting the bytes of its peer counterpart) and the peer's copies
+// into this CTA have landed (their complete_tx brings the transaction count back to 0);
 // PEMPTY[b] takes one arrival per peer consumer warp once it has finished reading its own copy.
 // Only producer warps wait on them: before refilling buffer b they need EMPTY[b] and PEMPTY[b],
 // and before arriving at FULL[b] they wait for PFULL[b], so this CTA's consumers see both halves.
-// Tile tc uses buffer tc & 1 and phase (tc >> 1) of the mbarriers. The remote stores are st.async
-// (FlashMLA's choice too): generic st.shared::cluster stores followed by a releasing arrival
-// measured slower than one CTA gathering everything (RESULTS.md, "cuda head-group pairs").
+// Tile tc uses buffer tc & 1 and phase (tc >> 1) of the mbarriers. The remote rows are
+// cp.async.bulk copies of the local ones, 1 KB per producer warp and column block (kPairBulk):
+// FlashMLA's lane st.async stores (DSV41_EXP_PAIR_ST_ASYNC) made the pair hand-off the decode's
+// largest cost, and generic st.shared::cluster stores followed by a releasing arrival measured
+// slower than one CTA gathering everything (RESULTS.md, "cuda head-group pairs").
 // A compile-time property of the kernel (two instantiations), so a single CTA's code carries no
 // cluster instructions or pair branches.
 // kSplit: the consumers' roles. false: two symmetric warpgroups (each S for 32 of a tile's tokens,
@@ -141,21 +143,22 @@ DEVFN void crew_teardown(const C&) {
   if constexpr (C::ncta == 2 && DSV41_TEST_PLANT != 3) cluster_sync();
 }
 
-// Where a pair makes the rows it received visible to wgmma: after the producers' PFULL wait (default)
-// or, as before the sixth session, in every consumer thread after FULL (DSV41_EXP_PAIR_CONSUMER_FENCE).
-#ifdef DSV41_EXP_PAIR_CONSUMER_FENCE
-constexpr bool kConsumerPairFence = true;
-#else
-constexpr bool kConsumerPairFence = false;
-#endif
-
-// How a pair's producer warp sends its rows to the peer: each lane's 16-byte st.async per chunk
-// (default), or, under DSV41_EXP_PAIR_BULK (experiment, not measured yet), local stores only and then
-// one lane's eight 1 KB cp.async.bulk copies (the warp's 8 rows are contiguous in each column block).
-#ifdef DSV41_EXP_PAIR_BULK
-constexpr bool kPairBulk = true;
-#else
+// How a pair's producer warp sends its rows to the peer: local stores only, then eight 1 KB
+// cp.async.bulk copies of them (the warp's 8 rows are contiguous in each column block; default since
+// the seventh session: decode 536 -> 399 us), or, under DSV41_EXP_PAIR_ST_ASYNC, each lane's 16-byte
+// st.async per chunk next to its local store (2048 stores per CTA and tile, which drained slowly and
+// held the producers' registers: RESULTS.md, "cuda seventh session").
+#ifdef DSV41_EXP_PAIR_ST_ASYNC
 constexpr bool kPairBulk = false;
+#else
+constexpr bool kPairBulk = true;
+#endif
+// Which lanes issue a warp's eight copies: lane 0 all of them (default) or lanes 0..7 one each
+// (DSV41_EXP_BULK_LANES).
+#ifdef DSV41_EXP_BULK_LANES
+constexpr bool kBulkLanes = true;
+#else
+constexpr bool kBulkLanes = false;
 #endif
 
 // Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it stores into its
@@ -445,8 +448,10 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
     // rows sh.base + 8b .. + 7: 1 KB at j * 8192 + 128 * row0 of column block j, in both CTAs
     fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
     syncwarp();
-    if (lane == 0) {
-      const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
+    const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
+    if constexpr (kBulkLanes) {
+      if (lane < 8) bulk_copy_to_peer(rbuf + o + 8192u * lane, smem_addr(kbuf) + o + 8192u * lane, 1024u, rbar);
+    } else if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
@@ -473,8 +478,9 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const 
   }
   // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
   // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence
-  // (a pair's one comes after its PFULL wait in produce_tiles and covers these stores too).
-  if constexpr (C::ncta == 1 || kConsumerPairFence) fence_proxy_async();
+  // (a pair's lanes fenced their rows before the bulk copies in store_batch; under
+  // DSV41_EXP_PAIR_ST_ASYNC the fence after the PFULL wait in produce_tiles covers them).
+  if constexpr (C::ncta == 1) fence_proxy_async();
 }
 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
@@ -514,16 +520,17 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
-      // The peer's st.async rows, observed through the PFULL wait, and this warp's own stores: one
-      // proxy fence before FULL makes both visible to the consumers' wgmma (FlashMLA's consumers
-      // issue wgmma on the peer's rows right after their transaction-barrier wait, with no fence).
-      // Here rather than in every consumer thread, where `.shared::cluster` compiled to a GPU-scope
-      // MEMBAR per thread and tile on the decode's critical path (RESULTS.md, sixth session).
-      // Two assumptions, shared with FlashMLA and CUTLASS's cluster pipelines, not spelled out by the
+      // Bulk copies (default): the peer's rows are async-proxy writes made visible by the PFULL
+      // completion, and this warp's own rows were fenced before its copies (store_batch), so no
+      // fence here. st.async rows (DSV41_EXP_PAIR_ST_ASYNC): the peer's rows, observed through the
+      // PFULL wait, and this warp's own stores: one proxy fence before FULL makes both visible to
+      // the consumers' wgmma, here rather than in every consumer thread, where `.shared::cluster`
+      // compiled to a GPU-scope MEMBAR per thread and tile (RESULTS.md, sixth session). Two
+      // assumptions, shared with FlashMLA and CUTLASS's cluster pipelines, not spelled out by the
       // PTX ISA: the `.shared::cta` fence covers rows the peer wrote through `.shared::cluster`
       // addresses into this CTA's window, and the CTA-scope acquire of the PFULL wait observes the
       // peer's st.async data (complete_tx releases at cluster scope; prims.cuh, mbarriers).
-      if constexpr (!kConsumerPairFence) fence_proxy_async();
+      if constexpr (!kPairBulk) fence_proxy_async();
     }
     bar_arrive(kBarFull0 + buf, C::full_count);
     if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
@@ -541,7 +548,6 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
 template <class C>
 DEVFN void await_tile(const C&, int tc, int w) {
   bar_sync((C::split && w >= 4 ? kBarFullWg1_0 : kBarFull0) + (tc & 1), C::full_count);
-  if constexpr (C::ncta == 2 && kConsumerPairFence) fence_proxy_async_cluster();
 }
 template <class C>
 DEVFN void release_tile(const C& crew, int tc, int lane) {

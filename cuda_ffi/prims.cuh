@@ -563,13 +563,6 @@ DEVFN void fence_proxy_async_always() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-// The consumers' fence of the DSV41_EXP_PAIR_CONSUMER_FENCE build (peer rows written through
-// st.shared::cluster / st.async).
-DEVFN void fence_proxy_async_cluster() {
-#if DSV41_DEVICE && DSV41_WGMMA
-  asm volatile("fence.proxy.async.shared::cluster;" ::: "memory");
-#endif
-}
 
 #if DSV41_DEVICE && DSV41_WGMMA
 DEVFN void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
