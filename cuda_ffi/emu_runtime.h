@@ -113,9 +113,6 @@ struct Bar {
   int expected = 0;
   uint64_t gen = 0;
   std::vector<uint8_t> here;  // per thread: arrived in the current phase
-  bool red_phase = false;     // the current phase is a bar.red one (bar_red_and)
-  bool red_acc = false;       // its AND so far
-  bool red_last = false;      // the AND of the last completed bar.red phase
 };
 
 struct WarpSlot {
@@ -201,42 +198,16 @@ inline void bar_arrive_impl(int id, int n) {
   bar_count(b, n, cur_fiber->tid, c->nthreads);
 }
 
-inline void no_red_phase(int id) {
-  if (id >= 0 && id < 16 && cur_cta->bars[id].arrived > 0 && cur_cta->bars[id].red_phase)
-    fail("bar.red and bar.sync/bar.arrive mixed in one barrier phase");
-}
-
 inline void bar_arrive(int id, int n) {
-  no_red_phase(id);
   bar_arrive_impl(id, n);
   yield();  // let others run: arrive never waits, but interleavings should vary
 }
 
 inline void bar_sync(int id, int n) {
-  no_red_phase(id);
   Bar& b = cur_cta->bars[id];
   uint64_t g = b.gen;
   bar_arrive_impl(id, n);
   while (b.gen == g) yield();
-}
-
-// bar.red.and.pred: bar.sync that returns the AND of every participant's predicate (the phase's
-// value is kept in the barrier until its next phase, which this thread must join first).
-inline bool bar_red_and(int id, int n, bool p) {
-  Bar& b = cur_cta->bars[id];
-  const uint64_t g = b.gen;
-  if (b.arrived == 0) b.red_acc = true;
-  else if (!b.red_phase) fail("bar.red and bar.sync/bar.arrive mixed in one barrier phase");
-  b.red_phase = true;
-  b.red_acc = b.red_acc && p;
-  const bool acc = b.red_acc;
-  bar_arrive_impl(id, n);
-  if (b.gen != g) {  // this arrival completed the phase
-    b.red_last = acc;
-    b.red_phase = false;
-  }
-  while (b.gen == g) yield();
-  return b.red_last;
 }
 
 // ---- clusters

@@ -662,24 +662,21 @@ DEVFN void exp_row(float (&s)[J][4], int hr, float base, float alpha, Acc& acc) 
 // S (16 scores per thread, QK-role layout) -> masked, scaled to the log2 domain; exchange of the row
 // maxima between the two token halves (barrier B1); online-softmax update of m, l; returns
 // alpha (rescale factor of rows r0, r0 + 8) and leaves P = 2^(S - base) in s.
-// masked: s is already masked and scaled (softmax_store_p_optimistic's exchange path).
 DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float scale_log2, int w, int lane,
-                        float (&alpha)[2], bool masked = false) {
+                        float (&alpha)[2]) {
   const int g = lane >> 2, t = lane & 3, rq = w & 3, th = w >> 2;
   float* rmax = reinterpret_cast<float*>(smem + kSmemRowMax);
-  if (!masked) {
-    // tokens 32th..32th+31: mask words 4th..4th+3 (8 tokens each)
-    const uint4 vw = reinterpret_cast<const uint4*>(smem + kSmemValid)[buf * 2 + th];
-    const uint32_t vm = vw.x | (vw.y << 8) | (vw.z << 16) | (vw.w << 24);
-    const float ninf = -finf();
+  // tokens 32th..32th+31: mask words 4th..4th+3 (8 tokens each)
+  const uint4 vw = reinterpret_cast<const uint4*>(smem + kSmemValid)[buf * 2 + th];
+  const uint32_t vm = vw.x | (vw.y << 8) | (vw.z << 16) | (vw.w << 24);
+  const float ninf = -finf();
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int bit = 8 * j + 2 * t + (e & 1);
-        s[j][e] = ((vm >> bit) & 1u) ? s[j][e] * scale_log2 : ninf;
-      }
-  }
+    for (int e = 0; e < 4; ++e) {
+      const int bit = 8 * j + 2 * t + (e & 1);
+      s[j][e] = ((vm >> bit) & 1u) ? s[j][e] * scale_log2 : ninf;
+    }
   const float mx[2] = {quad_row_max(s, 0), quad_row_max(s, 1)};
   const int r0 = 16 * rq + g;
   if (t == 0) {
@@ -695,23 +692,6 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
     exp_row(s, hr, base, alpha[hr], acc);
   }
 }
-
-// The symmetric wgmma consumers' softmax without the row-max exchange in the common case (kOptBase):
-// each warpgroup computes P at the current base M from its own token half and stores it; the P
-// barrier (B2) is a reduction that tells every consumer whether all rows of both halves stayed
-// within M + kLazyLog2 (then M does not move: alpha = 1, l += the row sums, done). Otherwise, rare
-// after a segment's first tile, all 256 consumers take the exchange path of softmax_tile and store
-// P again behind a second barrier. Each warpgroup's mtrue then covers its own token halves in the
-// common case (publish_row_stats merges them). Returns with P stored and visible to wgmma; alpha
-// as softmax_tile's.
-#ifdef DSV41_EXP_NO_OPT_BASE
-constexpr bool kOptBase = false;
-#else
-constexpr bool kOptBase = true;
-#endif
-template <bool kBf16>
-DEVFN void softmax_store_p_optimistic(char* smem, int buf, float (&s)[4][4], Acc& acc, float scale_log2, int w,
-                                      int lane, float (&alpha)[2]);
 
 // P (f16, one term: 11 significant bits; bf16 operands: 8) of this thread's 4J entries into the P tile of `buf`:
 // [64 heads][64 tokens], 128-byte rows, chunk c of row r at c ^ (r & 7). The thread holds rows
@@ -733,55 +713,6 @@ DEVFN void store_p(char* smem, int buf, const uint32_t (&pk)[J][2], int chunk0, 
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, chunk0 + j) + 4 * t) = pk[j][hr];
-}
-
-template <bool kBf16>
-DEVFN void softmax_store_p_optimistic(char* smem, int buf, float (&s)[4][4], Acc& acc, float scale_log2, int w,
-                                      int lane, float (&alpha)[2]) {
-  const int t = lane & 3, th = w >> 2;
-  const uint4 vw = reinterpret_cast<const uint4*>(smem + kSmemValid)[buf * 2 + th];
-  const uint32_t vm = vw.x | (vw.y << 8) | (vw.z << 16) | (vw.w << 24);
-  const float ninf = -finf();
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int bit = 8 * j + 2 * t + (e & 1);
-      s[j][e] = ((vm >> bit) & 1u) ? s[j][e] * scale_log2 : ninf;
-    }
-  float mx[2], sum[2];
-  bool ok = true;
-  uint32_t pk[4][2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    mx[hr] = quad_row_max(s, hr);
-    ok = ok && mx[hr] <= acc.m[hr] + kLazyLog2;  // a -inf base: only an all-masked row stays
-    const float base = acc.m[hr] == ninf ? 0.f : acc.m[hr];
-    sum[hr] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float p0 = fexp2(s[j][2 * hr] - base);
-      const float p1 = fexp2(s[j][2 * hr + 1] - base);
-      sum[hr] += p0 + p1;
-      pk[j][hr] = pack_x2<kBf16>(p0, p1);
-    }
-  }
-  store_p(smem, buf, pk, 4 * th, w, lane);
-  fence_proxy_async();
-  if (bar_red_and(kBarConsumers, kConsumerThreads, ok)) {  // B2: all of P written, and no base moves
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      alpha[hr] = 1.f;
-      acc.mtrue[hr] = fmaxf(acc.mtrue[hr], mx[hr]);
-      acc.l[hr] += sum[hr];
-    }
-    return;
-  }
-  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha, /*masked=*/true);
-  pack_p<4, kBf16>(s, pk);
-  store_p(smem, buf, pk, 4 * th, w, lane);
-  fence_proxy_async();
-  bar_sync(kBarConsumers, kConsumerThreads);  // B2 again: all of P rewritten
 }
 
 // S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
@@ -862,16 +793,12 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   qk_wgmma<32, kBf16>(s, qd, kd);
 
   float alpha[2];
-  if constexpr (kOptBase) {
-    softmax_store_p_optimistic<kBf16>(smem, buf, s, acc, scale_log2, w, lane, alpha);
-  } else {
-    softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
-    uint32_t pk[4][2];
-    pack_p<4, kBf16>(s, pk);
-    store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
-    fence_proxy_async();
-    bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
-  }
+  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
+  uint32_t pk[4][2];
+  pack_p<4, kBf16>(s, pk);
+  store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
+  fence_proxy_async();
+  bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
   rescale_o(acc, alpha);
   pv_wgmma<kBf16>(acc, pd, vd);
@@ -1075,8 +1002,10 @@ DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
     const int r = 16 * rq + g + 8 * hr;
     if (t == 0) {
       lsum[th * 64 + r] = l;
-      mtrue[th * 64 + r] = acc.mtrue[hr];  // the warpgroups' maxima may differ (softmax_tile_optimistic)
-      if (th == 0) mfin[r] = acc.m[hr];
+      if (th == 0) {
+        mfin[r] = acc.m[hr];
+        mtrue[r] = acc.mtrue[hr];
+      }
     }
   }
   bar_sync(kBarConsumers, kConsumerThreads);  // B3
@@ -1104,7 +1033,7 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
         const float sink2 = ldg_nc_f32(sink0 + r) * kLog2e;  // +-inf stay +-inf
         factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));   // sink=+inf -> 1/inf = 0
         lse_nat = lse2 * kLn2;
-        maxl = fmaxf(mtrue[r], mtrue[64 + r]) * kLn2;
+        maxl = mtrue[r] * kLn2;
       }
       uint16_t* orow = orow0 + (int64_t)r * kHeadDim;
 #pragma unroll

@@ -101,10 +101,10 @@ constexpr int kSmemRowMax = kSmemP + 2 * kSmemPBytes;                  // f32 [2
 constexpr int kSmemAlpha = kSmemRowMax + 2 * 64 * 4;                   // f32 [64] (mma.sync consumers)
 constexpr int kSmemLsum = kSmemAlpha + 64 * 4;                         // f32 [2][64]
 constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                      // f32 [64]
-constexpr int kSmemMtrue = kSmemMfin + 64 * 4;                         // f32 [2][64] running maxima (max_logits)
-constexpr int kSmemValid = kSmemMtrue + 2 * 64 * 4;                       // u32 [2 buffers][8]: bit j of word i = token 8i+j
+constexpr int kSmemMtrue = kSmemMfin + 64 * 4;                         // f32 [64] running maxima (max_logits)
+constexpr int kSmemValid = kSmemMtrue + 64 * 4;                        // u32 [2 buffers][8]: bit j of word i = token 8i+j
 constexpr int kSmemBars = kSmemValid + 64;                             // u64 mbarriers (pairs): PFULL[2], PEMPTY[2]
-constexpr int kSmemBytes = kSmemBars + 32;                             // 215136
+constexpr int kSmemBytes = kSmemBars + 32;                             // 214880
 constexpr int kSmemAlign = 1024;                                       // swizzle atoms
 constexpr int kSmemLaunchBytes = kSmemBytes + kSmemAlign;              // dynamic bytes requested
 static_assert(kSmemLaunchBytes <= 227 * 1024, "attention CTA shared memory exceeds the sm_90 limit");

@@ -56,22 +56,11 @@ DEVFN int warp_idx() { return thread_idx() >> 5; }
 #if DSV41_DEVICE
 DEVFN void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 DEVFN void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-// bar.sync that also returns whether `p` held in every participating thread (bar.red.and).
-DEVFN bool bar_red_and(int id, int n, bool p) {
-  uint32_t r;
-  asm volatile(
-      "{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\nbar.red.and.pred po, %2, %3, pi;\nselp.u32 %0, 1, 0, po;\n}\n"
-      : "=r"(r)
-      : "r"((uint32_t)p), "r"(id), "r"(n)
-      : "memory");
-  return r != 0u;
-}
 DEVFN void fence_cta() { asm volatile("membar.cta;" ::: "memory"); }
 DEVFN void syncwarp() { __syncwarp(); }
 #else
 inline void bar_sync(int id, int n) { emu::bar_sync(id, n); }
 inline void bar_arrive(int id, int n) { emu::bar_arrive(id, n); }
-inline bool bar_red_and(int id, int n, bool p) { return emu::bar_red_and(id, n, p); }
 inline void fence_cta() {}
 inline void syncwarp() { emu::warp_collective(emu::kTagSyncwarp, nullptr, 0, [](auto&) {}); }
 #endif
