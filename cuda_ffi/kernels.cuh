@@ -756,39 +756,6 @@ DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
 }
-// Symmetric consumers (kOwnPRegs): the two token steps of this warpgroup's own half (tokens
-// 32th..32th+31) take P from registers (pk: pack_p's words of those tokens) and are issued before
-// the P barrier B2, which they do not need; the other half's two come from shared memory after it.
-// Returns after B2 with O updated.
-#ifdef DSV41_EXP_NO_OWN_P_REGS
-constexpr bool kOwnPRegs = false;
-#else
-constexpr bool kOwnPRegs = true;
-#endif
-template <bool kBf16 = false>
-DEVFN void pv_wgmma_own_regp(Acc& acc, const uint32_t (&pk)[4][2], uint64_t pd, uint64_t vd, uint32_t th) {
-  reg_fence<128>(&acc.o[0][0]);
-  wgmma_fence();
-#ifndef DSV41_EXP_NO_MMA
-#pragma unroll
-  for (uint32_t kl = 0; kl < 2; ++kl) {
-    const uint32_t a[4] = {pk[2 * kl][0], pk[2 * kl][1], pk[2 * kl + 1][0], pk[2 * kl + 1][1]};
-    wgmma_m64n256k16_rs_tb<kBf16>(&acc.o[0][0], a, wgmma_desc_add(vd, 16u * 128u * (2u * th + kl)));
-  }
-#endif
-  wgmma_commit();
-  bar_sync(kBarConsumers, kConsumerThreads);  // B2: the other half of P written
-#ifndef DSV41_EXP_NO_MMA
-#pragma unroll
-  for (uint32_t kl = 0; kl < 2; ++kl) {
-    const uint32_t kk = 2u * (1u - th) + kl;
-    wgmma_m64n256k16_tb<kBf16>(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
-  }
-#endif
-  wgmma_commit();
-  wgmma_wait<0>();
-  reg_fence<128>(&acc.o[0][0]);
-}
 // The same with P from registers (pk: pack_p's words of all 64 tokens of the thread's rows; split
 // consumers' warpgroup 0): no shared-memory round trip, no barrier before it.
 template <bool kBf16 = false>
@@ -831,14 +798,10 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   pack_p<4, kBf16>(s, pk);
   store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
   fence_proxy_async();
-  if constexpr (kOwnPRegs) {
-    rescale_o(acc, alpha);
-    pv_wgmma_own_regp<kBf16>(acc, pk, pd, vd, th);  // B2 inside
-  } else {
-    bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
-    rescale_o(acc, alpha);
-    pv_wgmma<kBf16>(acc, pd, vd);
-  }
+  bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
+
+  rescale_o(acc, alpha);
+  pv_wgmma<kBf16>(acc, pd, vd);
   // The tile's operands have been read: the caller releases the buffer (release_tile).
 }
 
