@@ -154,19 +154,12 @@ constexpr bool kPairBulk = false;
 constexpr bool kPairBulk = true;
 #endif
 // Which lanes issue a warp's eight copies: lane 0 all of them (default) or lanes 0..7 one each
-// (DSV41_EXP_BULK_LANES); or, under DSV41_EXP_BULK_CTA, after a barrier over the four producer warps,
-// lane 0 of the first sends the CTA's 32 rows as eight 4 KB copies.
+// (DSV41_EXP_BULK_LANES).
 #ifdef DSV41_EXP_BULK_LANES
 constexpr bool kBulkLanes = true;
 #else
 constexpr bool kBulkLanes = false;
 #endif
-#ifdef DSV41_EXP_BULK_CTA
-constexpr bool kBulkCta = true;
-#else
-constexpr bool kBulkCta = false;
-#endif
-constexpr int kBarProducers = 11;  // the producer warpgroup (DSV41_EXP_BULK_CTA)
 
 // Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it stores into its
 // peer per tile: those tokens' f16 rows + its mask word (store_batch's st.async).
@@ -456,14 +449,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
     fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
     syncwarp();
     const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
-    if constexpr (kBulkCta) {  // (a pair's warps gather one batch each: NB = 1)
-      bar_sync(kBarProducers, 32 * kProducerWarps);
-      if ((sh.base & 31) == 0 && lane == 0) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 4096u, rbar);
-      }
-    } else if constexpr (kBulkLanes) {
+    if constexpr (kBulkLanes) {
       if (lane < 8) bulk_copy_to_peer(rbuf + o + 8192u * lane, smem_addr(kbuf) + o + 8192u * lane, 1024u, rbar);
     } else if (lane == 0) {
 #pragma unroll
