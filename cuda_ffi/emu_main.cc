@@ -76,9 +76,7 @@ int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out,
   dsv41::PrefillParams p{};
   std::string err = dsv41::make_prefill_params(in, out, softmax_scale, &p);
   if (!err.empty()) return report("dsv41_sparse_mla_prefill: " + err, errbuf, errlen);
-  // fewer CTAs than query tokens, so CTAs walk one, two or more tokens (the device's persistent grid)
-  p.row_ctas = dsv41::prefill_row_ctas(p.s_q, p.num_groups, 2 * p.num_groups + 1);
-  const int64_t grid = (int64_t)p.num_groups * p.row_ctas;
+  const int64_t grid = (int64_t)p.num_groups * p.s_q;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
                 if (p.pair) dsv41::prefill_cta<true>(p, smem);
                 else dsv41::prefill_cta<false>(p, smem);

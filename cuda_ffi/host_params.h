@@ -328,7 +328,6 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->h_pad = (int32_t)h_pad;
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
   p->pair = prefill_pair_groups(p->num_groups);
-  p->row_ctas = (int32_t)s_q;  // one query token per CTA; launch_prefill narrows it to the SM count
   return "";
 }
 

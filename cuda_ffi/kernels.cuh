@@ -1386,48 +1386,33 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   const auto crew = crew_setup<kPair, kPrefillSplit, kPrefillBf16>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
-  const int64_t s0 = bid / p.num_groups;  // this CTA's query tokens: s0, s0 + row_ctas, ... < s_q
+  const int64_t s = bid / p.num_groups;
   const int w = warp_idx(), lane = lane_idx();
+  const int len = clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk);
+  const int ntiles = (len + kTileTokens - 1) / kTileTokens;
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<crew.producer_regs>();
-    // one tile sequence over all of the CTA's tokens (empty ones contribute no tile), so the
-    // look-ahead runs into the next token's tiles while the consumers finish this one
-    int s = (int)s0;  // s_q < 2^31 (host_params.h)
-    int len = s < p.s_q ? clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk) : 0;
     int tn = 0;
     auto next = [&]() -> TileSrc {
-      while (s < p.s_q && tn * kTileTokens >= len) {
-        s += p.row_ctas;
-        tn = 0;
-        len = s < p.s_q ? clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk) : 0;
-      }
-      TileSrc t{s < p.s_q ? s : 0, len, tn * kTileTokens, s < p.s_q, false};
-      tn += s < p.s_q ? 1 : 0;
+      TileSrc t{s, len, tn * kTileTokens, tn < ntiles, false};
+      tn += tn < ntiles ? 1 : 0;
       return t;
     };
     produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
   } else {
     setmaxnreg_inc<crew.consumer_regs>();
     Acc acc;
-    int tc = 0;
-    for (int64_t s = s0; s < p.s_q; s += p.row_ctas) {
-      const int len = clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk);
-      const int ntiles = (len + kTileTokens - 1) / kTileTokens;
-      const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
-      // (load_q ends with the consumer barrier; an empty token still needs it: no consumer may
-      // overwrite the row statistics while another still reads the previous token's in write_final)
-      if (ntiles > 0) load_q<crew.bf16>(smem, p.q + head_row * kHeadDim, thread_idx());
-      else bar_sync(kBarConsumers, kConsumerThreads);
-      acc_reset(acc);
-      for (int i = 0; i < ntiles; ++i, ++tc) {
-        await_tile(crew, tc, w);
-        consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
-        release_tile(crew, tc, lane);
-      }
-      publish_row_stats(smem, acc, w, lane);
-      write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
-                  p.sink + (int64_t)group * kHeadsPerCta);
+    const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
+    if (ntiles > 0) load_q<crew.bf16>(smem, p.q + head_row * kHeadDim, thread_idx());
+    acc_reset(acc);
+    for (int tc = 0; tc < ntiles; ++tc) {
+      await_tile(crew, tc, w);
+      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
+      release_tile(crew, tc, lane);
     }
+    publish_row_stats(smem, acc, w, lane);
+    write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
+                p.sink + (int64_t)group * kHeadsPerCta);
   }
   crew_teardown(crew);
 }

@@ -86,24 +86,8 @@ struct PrefillParams {
   Pool kv;             // bf16 rows: capacity = s_kv, lengths per query token
   float scale_log2;
   int32_t s_q, h_pad, num_groups;
-  int32_t pair;      // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
-  int32_t row_ctas;  // CTAs per head group: CTA c of a group takes query tokens c, c + row_ctas, ... (<= s_q)
+  int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
 };
-
-// CTAs per head group of a persistent prefill grid: about one CTA per SM in all (the attention CTA
-// fills an SM), each walking query tokens c, c + n, ... so the producers run into the next token's
-// tiles while the consumers finish a token; DSV41_EXP_PREFILL_ONE_ROW keeps one token per CTA.
-inline int32_t prefill_row_ctas(int64_t s_q, int64_t num_groups, int64_t num_sms) {
-#ifdef DSV41_EXP_PREFILL_ONE_ROW
-  (void)num_groups;
-  (void)num_sms;
-  return (int32_t)s_q;
-#else
-  int64_t n = num_sms / (num_groups > 0 ? num_groups : 1);
-  if (n < 1) n = 1;
-  return (int32_t)(n < s_q ? n : s_q);
-#endif
-}
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P
 // are f16 in the 128-byte-swizzled layout wgmma reads (prims.cuh): a [rows][512] matrix is 8

@@ -10,15 +10,9 @@ __global__ void __launch_bounds__(kThreads, 1) dsv41_prefill_kernel(const __grid
   prefill_cta<kPair>(p, smem);
 }
 
-cudaError_t launch_prefill(const PrefillParams& params, cudaStream_t stream) {
+cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   static unsigned long long done[2] = {0, 0};
-  PrefillParams p = params;
-  int dev = 0, sms = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return e;
-  p.row_ctas = prefill_row_ctas(p.s_q, p.num_groups, sms);
-  const long long grid = (long long)p.num_groups * p.row_ctas;
+  const long long grid = (long long)p.num_groups * p.s_q;
   if (grid <= 0) return cudaSuccess;
 #ifdef DSV41_EXP_PREFILL_PAIR
   const bool pair = p.pair != 0;
@@ -27,7 +21,7 @@ cudaError_t launch_prefill(const PrefillParams& params, cudaStream_t stream) {
   const bool pair = false;
   auto* kernel = dsv41_prefill_kernel<false>;
 #endif
-  e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
+  cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
   if (e != cudaSuccess) return e;
   return launch_attention(kernel, p, grid, pair, stream);
 }
