@@ -544,6 +544,96 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
+// Single-CTA producers of bf16 rows by cp.async (prefill under DSV41_EXP_PREFILL_CPASYNC, not
+// measured yet): a tile's rows are copied straight into its K buffer (no registers held, all 32
+// chunks of a lane in flight at once; invalid tokens zero-filled), as soon as the buffer is
+// released, and converted to f16 in place just before FULL, so the copies of tile tc + 1 are in
+// flight while the consumers work on tile tc (the register path holds one 8-token batch at a time
+// and waits for the second batch's loads inside every tile).
+#ifdef DSV41_EXP_PREFILL_CPASYNC
+constexpr bool kPrefillCpAsync = true;
+#else
+constexpr bool kPrefillCpAsync = false;
+#endif
+
+// This lane's chunks of its NB tokens of tile t into K buffer `buf` (16-byte cp.async each; row r,
+// chunk k at tile_off(r, k) as store_batch puts them), one commit group.
+template <int NB>
+DEVFN void issue_rows_async(char* smem, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
+                            const Share& sh, int lane) {
+  const uint32_t kbuf = smem_addr(smem + kSmemK + buf * kTileBytes);
+  const uint8_t* base = DSV41_POOL(ps, t, base);
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    const bool valid = (a.vmask >> (8 * b + (lane >> 2))) & 1u;
+    const uint8_t* d = base + a.doff[b];  // doff = 0 when invalid: nothing is read (src-size 0)
+    const int row = sh.base + 8 * b + (lane >> 2), r7 = row & 7;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int k = bf16_chunk(i, lane);
+      cp_async16(kbuf + (uint32_t)((k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4)), d + 16 * k, valid ? 16u : 0u);
+    }
+  }
+  cp_async_commit();
+}
+
+// After this lane's copies have landed: its chunks bf16 -> f16 in place (kBf16 crews keep bf16), and
+// the tile's mask words.
+template <bool kBf16, int NB>
+DEVFN void convert_rows_in_place(char* smem, int buf, uint32_t vmask, const Share& sh, int lane) {
+  char* kbuf = smem + kSmemK + buf * kTileBytes;
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    if (lane == 0) store_valid_word(smem, false, 0u, 0u, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
+    if constexpr (!kBf16) {
+      const int row = sh.base + 8 * b + (lane >> 2), r7 = row & 7;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int k = bf16_chunk(i, lane);
+        uint4* c = reinterpret_cast<uint4*>(kbuf + (k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4));
+        *c = bf16x8_to_f16x8(*c);
+      }
+    }
+  }
+}
+
+// produce_tiles for one CTA and bf16 rows by cp.async (kPrefillCpAsync): per tile tc, wait for its
+// copies, convert, FULL; then, once the consumers release tile tc - 1, issue tile tc + 1's copies
+// into that buffer. Same FULL / EMPTY phases and final drain as produce_tiles.
+template <class C, class Next>
+DEVFN void produce_tiles_async(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
+  static_assert(C::ncta == 1, "cp.async producers serve single CTAs");
+  constexpr int NB = 2;
+  const Share sh = producer_share(crew, pw);
+  TileSrc t0 = next();
+  TileSrc t1 = next();
+  TileIdx<NB> i1 = tile_index<NB>(ps, t1, sh, lane);
+  TileAddr<NB> a0 = tile_addr<NB>(ps, t0, tile_index<NB>(ps, t0, sh, lane), sh, lane);
+  if (t0.ok) issue_rows_async<NB>(smem, 0, ps, t0, a0, sh, lane);  // buffer 0 is free
+  int tc = 0;
+  for (; t0.ok; ++tc) {
+    const TileSrc t2 = next();
+    const TileIdx<NB> i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
+    const TileAddr<NB> a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
+    tile_prefetch<NB>(ps, t1, a1, lane);
+    const int buf = tc & 1;
+    cp_async_wait_all();  // this lane's chunks of tile tc
+    convert_rows_in_place<C::bf16, NB>(smem, buf, a0.vmask, sh, lane);
+    fence_proxy_async();
+    bar_arrive(kBarFull0 + buf, C::full_count);
+    if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
+    if (t1.ok) {
+      if (tc >= 1) bar_sync(kBarEmpty0 + (buf ^ 1), kThreads);  // tile tc - 1 released
+      issue_rows_async<NB>(smem, buf ^ 1, ps, t1, a1, sh, lane);
+    }
+    t0 = t1;
+    a0 = a1;
+    t1 = t2;
+    i1 = i2;
+  }
+  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+}
+
 // Consumers, before reading tile tc / after their last read of it.
 template <class C>
 DEVFN void await_tile(const C&, int tc, int w) {
@@ -1398,7 +1488,10 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
       tn += tn < ntiles ? 1 : 0;
       return t;
     };
-    produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
+    if constexpr (kPrefillCpAsync && !kPair)
+      produce_tiles_async(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
+    else
+      produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
   } else {
     setmaxnreg_inc<crew.consumer_regs>();
     Acc acc;

@@ -17,7 +17,7 @@ def main() -> int:
     decodes = [
         ("sanitizer decode", make_decode_case(5, b=6, s_q=2, h_q=64, topk=256, block_size=61, s_kv=600,
                                               fmt="fp8_ds_mla", extra=extra)),
-        # h_q = 128: two head groups run as 2-CTA clusters (st.async into the peer, cluster mbarriers)
+        # h_q = 128: two head groups run as 2-CTA clusters (bulk copies into the peer, cluster mbarriers)
         ("sanitizer decode (pair)", make_decode_case(7, b=3, s_q=2, h_q=128, topk=200, block_size=61, s_kv=400,
                                                      fmt="fp8_ds_mla", extra=extra)),
     ]
