@@ -20,8 +20,8 @@
 #                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
 #                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
 #                 rows sent to the peer by lane st.async stores instead of cp.async.bulk (pair_st_async),
-#                 the bulk copies issued by 8 lanes instead of one (bulk_lanes), prefill's producers
-#                 copying bf16 rows by cp.async and converting them in place (prefill_cpasync)) and for
+#                 prefill's producers copying bf16 rows by cp.async and converting them in place
+#                 (prefill_cpasync)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill)
@@ -65,7 +65,7 @@ for s in "${stages[@]}"; do
                "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
-               "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" "bulk_lanes:--define DSV41_EXP_BULK_LANES" \
+               "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
                "prefill_cpasync:--define DSV41_EXP_PREFILL_CPASYNC"; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac

@@ -12,6 +12,7 @@
 // Clusters: the CTAs of one cluster run together under one scheduler (their fibers interleave),
 // with shared-memory mbarriers (arrival counts, transaction bytes, phases), distributed-shared-
 // memory stores and arrivals addressed as (rank << 24 | offset), and the cluster barrier.
+// (cp.async.bulk copies between CTAs are modelled as one st.async of the source bytes, read at issue.)
 // Each st.async store lands at once or is held back until somebody waits on its mbarrier (a coin
 // flip per store), and now and then one CTA of a cluster is stalled for a few scheduling rounds
 // (released early when nothing else can progress), so a reader that skips a wait sees stale data

@@ -80,7 +80,7 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // ============================================================================== crew
 // The CTAs that share a tile sequence: one CTA, or the 2-CTA cluster of head groups 2k, 2k + 1
 // (`pair`). In a pair, each CTA gathers and dequantises 32 of every tile's 64 tokens (rank r:
-// tokens 32r..32r+31) and stores them into its own and its peer's K buffer, so each CTA does half
+// tokens 32r..32r+31), stores them into its own K buffer and copies them to its peer's, so each CTA does half
 // the gather work (FlashMLA's "crossover", flashmla.md section 4).
 // Inside a CTA the hand-off uses named barriers per K buffer (hardware waits, no polling): FULL[b]
 // (producers arrive, consumers sync) and EMPTY[b] (consumers arrive, producers sync). A pair adds
@@ -88,6 +88,9 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // warps have arrived (each expecting the bytes of its peer counterpart) and the peer's copies
 // into this CTA have landed (their complete_tx brings the transaction count back to 0);
 // PEMPTY[b] takes one arrival per peer consumer warp once it has finished reading its own copy.
+// With bulk copies PEMPTY[b] also frees this CTA's own rows of buffer b as copy sources: the peer's
+// consumers arrive only after the peer's PFULL[b] phase completed, which needs every byte of this
+// CTA's copies of that tile, so their source reads are done.
 // Only producer warps wait on them: before refilling buffer b they need EMPTY[b] and PEMPTY[b],
 // and before arriving at FULL[b] they wait for PFULL[b], so this CTA's consumers see both halves.
 // Tile tc uses buffer tc & 1 and phase (tc >> 1) of the mbarriers. The remote rows are
@@ -153,16 +156,10 @@ constexpr bool kPairBulk = false;
 #else
 constexpr bool kPairBulk = true;
 #endif
-// Which lanes issue a warp's eight copies: lane 0 all of them (default) or lanes 0..7 one each
-// (DSV41_EXP_BULK_LANES).
-#ifdef DSV41_EXP_BULK_LANES
-constexpr bool kBulkLanes = true;
-#else
-constexpr bool kBulkLanes = false;
-#endif
 
-// Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it stores into its
-// peer per tile: those tokens' f16 rows + its mask word (store_batch's st.async).
+// Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it sends to its peer
+// per tile: its 8 rows (eight 1 KB cp.async.bulk copies, or lane st.async stores under
+// DSV41_EXP_PAIR_ST_ASYNC) + its mask word (st.async): 8 x 1024 + 4.
 constexpr int kPairTokensPerWarp = kTileTokens / 2 / kProducerWarps;
 static_assert(kPairTokensPerWarp == 8, "fill_tile sends one 8-token batch (one mask word) per warp and tile");
 static_assert(kTileTokens / kProducerWarps == 16, "one CTA's producer warp gathers two 8-token batches per tile");
@@ -449,9 +446,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
     fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
     syncwarp();
     const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
-    if constexpr (kBulkLanes) {
-      if (lane < 8) bulk_copy_to_peer(rbuf + o + 8192u * lane, smem_addr(kbuf) + o + 8192u * lane, 1024u, rbar);
-    } else if (lane == 0) {
+    if (lane == 0) {  // (lanes 0..7 issuing one copy each measured the same: RESULTS.md, seventh session)
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
@@ -525,11 +520,11 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
       // fence here. st.async rows (DSV41_EXP_PAIR_ST_ASYNC): the peer's rows, observed through the
       // PFULL wait, and this warp's own stores: one proxy fence before FULL makes both visible to
       // the consumers' wgmma, here rather than in every consumer thread, where `.shared::cluster`
-      // compiled to a GPU-scope MEMBAR per thread and tile (RESULTS.md, sixth session). Two
-      // assumptions, shared with FlashMLA and CUTLASS's cluster pipelines, not spelled out by the
-      // PTX ISA: the `.shared::cta` fence covers rows the peer wrote through `.shared::cluster`
-      // addresses into this CTA's window, and the CTA-scope acquire of the PFULL wait observes the
-      // peer's st.async data (complete_tx releases at cluster scope; prims.cuh, mbarriers).
+      // compiled to a GPU-scope MEMBAR per thread and tile (RESULTS.md, sixth session).
+      // Assumptions shared with FlashMLA and CUTLASS's cluster pipelines, not spelled out by the PTX
+      // ISA: the CTA-scope acquire of the PFULL wait observes the peer's writes (bulk copies and
+      // st.async; complete_tx releases at cluster scope; prims.cuh, mbarriers), and, for st.async
+      // rows only, the `.shared::cta` fence covers rows the peer wrote into this CTA's window.
       if constexpr (!kPairBulk) fence_proxy_async();
     }
     bar_arrive(kBarFull0 + buf, C::full_count);
@@ -1467,9 +1462,9 @@ DEVFN void combine_cta(const DecodeParams& p) {
 // One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
 // query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
 // max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
-// One CTA per group (kPair false): for bf16 rows (no dequantisation) a pair's remote stores cost more
-// than the halved gather saves (measured 8.1 ms paired vs 6.5 ms single, RESULTS.md cuda pair
-// ablation); the DSV41_EXP_PREFILL_PAIR build (p.pair) runs groups 2k, 2k + 1 as decode's pairs.
+// One CTA per group (kPair false): for bf16 rows (no dequantisation) a pair's hand-off costs more
+// than the halved gather saves (st.async: 8.1 vs 6.5 ms, RESULTS.md cuda pair ablation; bulk
+// copies: +9%, RESULTS.md seventh session); the DSV41_EXP_PREFILL_PAIR build (p.pair) runs groups 2k, 2k + 1 as decode's pairs.
 template <bool kPair>
 DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);

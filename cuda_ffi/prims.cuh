@@ -318,13 +318,17 @@ DEVFN uint32_t smem_addr(const void* p) {
 // A cluster address names byte `off` of CTA `rank`'s shared memory (device: mapa; emulator:
 // rank << 24 | off). mbarriers live in shared memory (8 bytes, 8-aligned). Arrivals release and
 // waits acquire at CTA scope (the PTX defaults, as CUTLASS's cluster pipelines use them):
-//  * PFULL (st.async + complete_tx): the transaction mechanism makes the peer's stores visible to
-//    the threads that observe the phase; no cross-CTA release/acquire is needed for them.
+//  * PFULL (the peer's cp.async.bulk rows and st.async mask words, or st.async rows under
+//    DSV41_EXP_PAIR_ST_ASYNC; complete_tx): the transaction mechanism makes the peer's writes
+//    visible to the threads that observe the phase (assumed, as CUTLASS and FlashMLA do, to hold
+//    for a CTA-scope acquire of a phase completed by another CTA's writes; kernels.cuh).
 //  * PEMPTY (remote arrivals of the peer's consumer warps): each arrives after wgmma.wait_group (and,
 //    on the mma.sync path, after the ldmatrix results were used; the mask words were read before the
 //    softmax), so the peer's reads of the buffer have completed, not merely been ordered, before the
 //    arrival. Strictly, the PTX memory model calls a CTA-scope release/acquire pair across CTAs not
-//    morally strong; like CUTLASS and FlashMLA this relies on the reads being complete.
+//    morally strong; like CUTLASS and FlashMLA this relies on the reads being complete. With bulk
+//    copies it also means this CTA's outgoing copies of the buffer have completed (source reads
+//    included): the peer's consumers arrive only after its PFULL phase, which needs every byte.
 // Cluster-scope semantics cost a MEMBAR.ALL.GPU per remote arrival and an L1 invalidation
 // (CCTL.IVALL, which also waits for every outstanding load) per wait: Nsight Compute put 8% of the
 // pair decode's samples there (benchmarks/RESULTS.md, "cuda decode profile").
