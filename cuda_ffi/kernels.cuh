@@ -562,11 +562,11 @@ DEVFN void issue_rows_async(char* smem, int buf, const Pools& ps, const TileSrc&
   for (int b = 0; b < NB; ++b) {
     const bool valid = (a.vmask >> (8 * b + (lane >> 2))) & 1u;
     const uint8_t* d = base + a.doff[b];  // doff = 0 when invalid: nothing is read (src-size 0)
-    const int row = sh.base + 8 * b + (lane >> 2), r7 = row & 7;
+    const int row = sh.base + 8 * b + (lane >> 2);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int k = bf16_chunk(i, lane);
-      cp_async16(kbuf + (uint32_t)((k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4)), d + 16 * k, valid ? 16u : 0u);
+      cp_async16(kbuf + (uint32_t)tile_off(row, k), d + 16 * k, valid ? 16u : 0u);
     }
   }
   cp_async_commit();
@@ -581,11 +581,11 @@ DEVFN void convert_rows_in_place(char* smem, int buf, uint32_t vmask, const Shar
   for (int b = 0; b < NB; ++b) {
     if (lane == 0) store_valid_word(smem, false, 0u, 0u, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
     if constexpr (!kBf16) {
-      const int row = sh.base + 8 * b + (lane >> 2), r7 = row & 7;
+      const int row = sh.base + 8 * b + (lane >> 2);
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int k = bf16_chunk(i, lane);
-        uint4* c = reinterpret_cast<uint4*>(kbuf + (k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4));
+        uint4* c = reinterpret_cast<uint4*>(kbuf + tile_off(row, k));
         *c = bf16x8_to_f16x8(*c);
       }
     }
