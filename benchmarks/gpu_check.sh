@@ -20,11 +20,12 @@
 #                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
 #                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
 #                 rows sent to the peer by lane st.async stores instead of cp.async.bulk (pair_st_async),
-#                 prefill's producers copying bf16 rows by cp.async and converting them in place
-#                 (prefill_cpasync)) and for
+#                 PV of tile n in flight while the consumers wait for tile n + 1 and issue its S
+#                 (consumer_pipeline)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
-#                 the cases (default: decode,prefill)
+#                 the cases (default: decode,prefill), $ABL_EXTRA more variants,
+#                 "name:--define A --define B;name2:..." (name them in $ABLATION too)
 #   ncu           Nsight Compute (--clock-control none) over one call of the attention kernel per case
 #                 ($NCU_CASES, default decode_headline_h128; prefill_h128_topk2048 crashed Python with
 #                 signal 11 under ncu on 2026-11-30): a report per case, its details page and its
@@ -59,6 +60,7 @@ for s in "${stages[@]}"; do
     sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m cuda_ffi.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
     sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;
     cuda-ablation)
+      IFS=';' read -r -a extra <<< "${ABL_EXTRA:-}"
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
                "no_pair:--define DSV41_EXP_NO_PAIR" \
@@ -66,7 +68,8 @@ for s in "${stages[@]}"; do
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
                "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
-               "prefill_cpasync:--define DSV41_EXP_PREFILL_CPASYNC"; do
+               "consumer_pipeline:--define DSV41_EXP_CONSUMER_PIPELINE" \
+               ${extra[@]+"${extra[@]}"}; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
         echo "--- variant $name ($flags)"

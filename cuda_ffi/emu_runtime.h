@@ -107,14 +107,6 @@ struct Fiber {
   };
   std::vector<WgGroup> wgmma_groups;
   bool cluster_synced = false;  // the last synchronisation was a cluster barrier
-  // cp.async copies not yet waited on: their destinations hold 0xff bytes (f16 / bf16 NaN) until
-  // the wait, so a read before it shows up
-  struct CpAsync {
-    uint32_t saddr;
-    const void* src;
-    uint32_t src_bytes;
-  };
-  std::vector<CpAsync> cp_async;
 };
 
 struct Bar {
@@ -217,24 +209,6 @@ inline void bar_sync(int id, int n) {
   uint64_t g = b.gen;
   bar_arrive_impl(id, n);
   while (b.gen == g) yield();
-}
-
-// cp.async.cg (16 bytes, global -> this CTA's shared memory; src_bytes < 16 zero-fills the rest)
-// and cp.async.wait_all: the bytes land at the wait.
-inline void cp_async(uint32_t saddr, const void* src, uint32_t src_bytes) {
-  if (saddr & 15u) fail("cp.async: shared-memory address must be 16-byte aligned");
-  if (saddr + 16 > cur_cta->smem_bytes) fail("cp.async: destination outside the CTA's shared memory");
-  if (src_bytes > 16) fail("cp.async: src-size above the copy size");
-  std::memset(cur_cta->smem + saddr, 0xff, 16);
-  cur_fiber->cp_async.push_back({saddr, src, src_bytes});
-}
-inline void cp_async_wait_all() {
-  for (const auto& c : cur_fiber->cp_async) {
-    std::memset(cur_cta->smem + c.saddr, 0, 16);
-    if (c.src_bytes) std::memcpy(cur_cta->smem + c.saddr, c.src, c.src_bytes);
-  }
-  cur_fiber->cp_async.clear();
-  yield();
 }
 
 // ---- clusters
@@ -378,7 +352,6 @@ inline void fiber_entry(int idx) {
   Cta* c = cur_cta;
   (*c->body)(c->smem);
   if (!c->fibers[idx].wgmma_groups.empty()) fail("thread exited with a wgmma not waited on");
-  if (!c->fibers[idx].cp_async.empty()) fail("thread exited with a cp.async not waited on");
   c->fibers[idx].done = true;
   ++c->progress;
   // returning switches to uc_link (the scheduler)
@@ -390,7 +363,6 @@ inline void fiber_entry(int idx) {
   Cta* c = cur_cta;
   (*c->body)(c->smem);
   if (!f->wgmma_groups.empty()) fail("thread exited with a wgmma not waited on");
-  if (!f->cp_async.empty()) fail("thread exited with a cp.async not waited on");
   f->done = true;
   ++c->progress;
   dsv41_emu_switch(&f->sp, c->sched_sp);

@@ -69,6 +69,8 @@ enum : int { kBarCta = 0, kBarConsumers = 1, kBarFull0 = 2, kBarEmpty0 = 4 };
 // for warpgroup 1 (FULL b is then warpgroup 0's: each warpgroup waits for the tile
 // on its own, so warpgroup 0 can start tile n + 1 while warpgroup 1 is still in tile n).
 enum : int { kBarPReady0 = 6, kBarFullWg1_0 = 9 };
+// Pipelined split consumers (consume_tiles): warpgroup 0's P stored, before its PV reads it (128 threads).
+enum : int { kBarWg0P = 11 };
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -539,96 +541,6 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
-// Single-CTA producers of bf16 rows by cp.async (prefill under DSV41_EXP_PREFILL_CPASYNC, not
-// measured yet): a tile's rows are copied straight into its K buffer (no registers held, all 32
-// chunks of a lane in flight at once; invalid tokens zero-filled), as soon as the buffer is
-// released, and converted to f16 in place just before FULL, so the copies of tile tc + 1 are in
-// flight while the consumers work on tile tc (the register path holds one 8-token batch at a time
-// and waits for the second batch's loads inside every tile).
-#ifdef DSV41_EXP_PREFILL_CPASYNC
-constexpr bool kPrefillCpAsync = true;
-#else
-constexpr bool kPrefillCpAsync = false;
-#endif
-
-// This lane's chunks of its NB tokens of tile t into K buffer `buf` (16-byte cp.async each; row r,
-// chunk k at tile_off(r, k) as store_batch puts them), one commit group.
-template <int NB>
-DEVFN void issue_rows_async(char* smem, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
-                            const Share& sh, int lane) {
-  const uint32_t kbuf = smem_addr(smem + kSmemK + buf * kTileBytes);
-  const uint8_t* base = DSV41_POOL(ps, t, base);
-#pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    const bool valid = (a.vmask >> (8 * b + (lane >> 2))) & 1u;
-    const uint8_t* d = base + a.doff[b];  // doff = 0 when invalid: nothing is read (src-size 0)
-    const int row = sh.base + 8 * b + (lane >> 2);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int k = bf16_chunk(i, lane);
-      cp_async16(kbuf + (uint32_t)tile_off(row, k), d + 16 * k, valid ? 16u : 0u);
-    }
-  }
-  cp_async_commit();
-}
-
-// After this lane's copies have landed: its chunks bf16 -> f16 in place (kBf16 crews keep bf16), and
-// the tile's mask words.
-template <bool kBf16, int NB>
-DEVFN void convert_rows_in_place(char* smem, int buf, uint32_t vmask, const Share& sh, int lane) {
-  char* kbuf = smem + kSmemK + buf * kTileBytes;
-#pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    if (lane == 0) store_valid_word(smem, false, 0u, 0u, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
-    if constexpr (!kBf16) {
-      const int row = sh.base + 8 * b + (lane >> 2);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int k = bf16_chunk(i, lane);
-        uint4* c = reinterpret_cast<uint4*>(kbuf + tile_off(row, k));
-        *c = bf16x8_to_f16x8(*c);
-      }
-    }
-  }
-}
-
-// produce_tiles for one CTA and bf16 rows by cp.async (kPrefillCpAsync): per tile tc, wait for its
-// copies, convert, FULL; then, once the consumers release tile tc - 1, issue tile tc + 1's copies
-// into that buffer. Same FULL / EMPTY phases and final drain as produce_tiles.
-template <class C, class Next>
-DEVFN void produce_tiles_async(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
-  static_assert(C::ncta == 1, "cp.async producers serve single CTAs");
-  constexpr int NB = 2;
-  const Share sh = producer_share(crew, pw);
-  TileSrc t0 = next();
-  TileSrc t1 = next();
-  TileIdx<NB> i1 = tile_index<NB>(ps, t1, sh, lane);
-  TileAddr<NB> a0 = tile_addr<NB>(ps, t0, tile_index<NB>(ps, t0, sh, lane), sh, lane);
-  if (t0.ok) issue_rows_async<NB>(smem, 0, ps, t0, a0, sh, lane);  // buffer 0 is free
-  int tc = 0;
-  for (; t0.ok; ++tc) {
-    const TileSrc t2 = next();
-    const TileIdx<NB> i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
-    const TileAddr<NB> a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
-    tile_prefetch<NB>(ps, t1, a1, lane);
-    const int buf = tc & 1;
-    cp_async_wait_all();  // this lane's chunks of tile tc
-    convert_rows_in_place<C::bf16, NB>(smem, buf, a0.vmask, sh, lane);
-    fence_proxy_async();
-    bar_arrive(kBarFull0 + buf, C::full_count);
-    if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
-    if (t1.ok) {
-      if (tc >= 1) bar_sync(kBarEmpty0 + (buf ^ 1), kThreads);  // tile tc - 1 released
-      issue_rows_async<NB>(smem, buf ^ 1, ps, t1, a1, sh, lane);
-    }
-    t0 = t1;
-    a0 = a1;
-    t1 = t2;
-    i1 = i2;
-  }
-  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
-}
-
 // Consumers, before reading tile tc / after their last read of it.
 template <class C>
 DEVFN void await_tile(const C&, int tc, int w) {
@@ -803,8 +715,18 @@ DEVFN void store_p(char* smem, int buf, const uint32_t (&pk)[J][2], int chunk0, 
 // S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
 // Q and K from shared memory through the descriptors of their first 16 dims; returns with the
 // products in s.
+// See consume_tiles.
+#ifdef DSV41_EXP_CONSUMER_PIPELINE
+constexpr bool kConsumerPipeline = true;
+#else
+constexpr bool kConsumerPipeline = false;
+#endif
 template <int N, bool kBf16 = false>
-DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
+DEVFN void qk_issue(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
+  if constexpr (kConsumerPipeline) {
+    qd = opaque_u64(qd);
+    kd = opaque_u64(kd);
+  }
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -822,14 +744,22 @@ DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
   }
 #endif
   wgmma_commit();
+}
+// S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
+// Q and K from shared memory through the descriptors of their first 16 dims; returns with the
+// products in s. (qk_issue alone: one commit group, in flight until a wgmma_wait.)
+template <int N, bool kBf16 = false>
+DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
+  qk_issue<N, kBf16>(s, qd, kd);
   wgmma_wait<0>();
   reg_fence<N / 2>(&s[0][0]);
 }
 
 // O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
-// memory through descriptors pd / vd); O already rescaled; returns with O updated.
+// memory through descriptors pd / vd); O already rescaled. pv_issue leaves one commit group in
+// flight; pv_wgmma returns with O updated.
 template <bool kBf16 = false>
-DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
+DEVFN void pv_issue(Acc& acc, uint64_t pd, uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -838,13 +768,18 @@ DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
     wgmma_m64n256k16_tb<kBf16>(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
 #endif
   wgmma_commit();
+}
+template <bool kBf16 = false>
+DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
+  pv_issue<kBf16>(acc, pd, vd);
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
 }
 // The same with P from registers (pk: pack_p's words of all 64 tokens of the thread's rows; split
-// consumers' warpgroup 0): no shared-memory round trip, no barrier before it.
+// consumers' warpgroup 0): no shared-memory round trip, no barrier before it. While the group is in
+// flight pk must stay untouched (pk_fence after the wait keeps its registers from being reused).
 template <bool kBf16 = false>
-DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
+DEVFN void pv_regp_issue(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -855,7 +790,18 @@ DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
   }
 #endif
   wgmma_commit();
+}
+DEVFN void pk_fence(uint32_t (&pk)[8][2]) {
+#if DSV41_DEVICE
+#pragma unroll
+  for (int j = 0; j < 8; ++j) asm volatile("" : "+r"(pk[j][0]), "+r"(pk[j][1])::"memory");
+#endif
+}
+template <bool kBf16 = false>
+DEVFN void pv_wgmma_regp(Acc& acc, uint32_t (&pk)[8][2], uint64_t vd) {
+  pv_regp_issue<kBf16>(acc, pk, vd);
   wgmma_wait<0>();
+  pk_fence(pk);
   reg_fence<128>(&acc.o[0][0]);
 }
 
@@ -865,18 +811,17 @@ DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
 // V is the K tile read MN-major). The thread that owns a score row also owns that row of O, so
 // the rescale needs no exchange.
 template <bool kBf16>
-DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
-  // Operand descriptors built once per tile; each wgmma adds a constant offset (wgmma_desc_add).
+DEVFN void sym_qk_issue(char* smem, int buf, float (&s)[4][4], int w) {
   // (Taking th through a lane-0 shuffle, to make it uniform, cost the pair kernel 8 bytes of spills.)
   const uint32_t th = (uint32_t)(w >> 2);
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
-  const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
-  const uint64_t kd = wgmma_desc(ka + 32u * 128u * th, 16, 1024);
-  const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
-  const uint64_t vd = wgmma_desc(ka + 4u * 8192u * th, 8192, 1024);
-  float s[4][4];
-  qk_wgmma<32, kBf16>(s, qd, kd);
-
+  qk_issue<32, kBf16>(s, wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024), wgmma_desc(ka + 32u * 128u * th, 16, 1024));
+}
+// From S (waited on) to the PV of the tile issued (one commit group left in flight).
+template <bool kBf16>
+DEVFN void sym_softmax_pv(char* smem, int buf, float (&s)[4][4], Acc& acc, float scale_log2, int w, int lane) {
+  const uint32_t th = (uint32_t)(w >> 2);
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
   float alpha[2];
   softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
   uint32_t pk[4][2];
@@ -886,7 +831,18 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
 
   rescale_o(acc, alpha);
-  pv_wgmma<kBf16>(acc, pd, vd);
+  pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
+                  wgmma_desc(ka + 4u * 8192u * th, 8192, 1024));
+}
+template <bool kBf16>
+DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
+  float s[4][4];
+  sym_qk_issue<kBf16>(smem, buf, s, w);
+  wgmma_wait<0>();
+  reg_fence<16>(&s[0][0]);
+  sym_softmax_pv<kBf16>(smem, buf, s, acc, scale_log2, w, lane);
+  wgmma_wait<0>();
+  reg_fence<128>(&acc.o[0][0]);
   // The tile's operands have been read: the caller releases the buffer (release_tile).
 }
 
@@ -984,51 +940,75 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's
 // default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_flipped_consumer_shapes).
-template <bool kBf16>
-DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
-  const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
+// Warpgroup 0 of the split, from S of tile tc (waited on) to its PV issued (one commit group left in
+// flight): mask, softmax, P and alpha to shared memory for warpgroup 1. kRegP: its PV takes P from
+// registers (pk); otherwise from shared memory after a warpgroup-0 barrier (the pipelined loop:
+// s of the next tile, pk and O do not fit 192 registers together).
+template <bool kBf16, bool kRegP = true>
+DEVFN void split_softmax_pv(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc, float scale_log2,
+                            int w, int lane) {
+  const int buf = tc & 1, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;
-  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
   float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;  // [2][64]: no row-max exchange here
   float alpha[2] = {1.f, 1.f};
-  if (th == 0) {
-    const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
-    const uint64_t kd = wgmma_desc(ka, 16, 1024);
-    float s[8][4];
-    qk_wgmma<64, kBf16>(s, qd, kd);
-    // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
-    const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
-    const float ninf = -finf();
+  // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
+  const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
+  const float ninf = -finf();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t bits = vw[j] >> (2 * t);
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t bits = vw[j] >> (2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
-    }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
-      exp_row(s, hr, base, alpha[hr], acc);
-    }
-    uint32_t pk[8][2];
-    pack_p<8, kBf16>(s, pk);
-    store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
-    if (t == 0) {
-      alpha_b[r0] = alpha[0];
-      alpha_b[r0 + 8] = alpha[1];
-    }
-    fence_proxy_async();
-    bar_arrive(kBarPReady0 + buf, kConsumerThreads);
-    rescale_o(acc, alpha);
-    pv_wgmma_regp<kBf16>(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
-    return;
+    for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
   }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
+    exp_row(s, hr, base, alpha[hr], acc);
+  }
+  pack_p<8, kBf16>(s, pk);
+  store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
+  if (t == 0) {
+    alpha_b[r0] = alpha[0];
+    alpha_b[r0 + 8] = alpha[1];
+  }
+  fence_proxy_async();
+  bar_arrive(kBarPReady0 + buf, kConsumerThreads);
+  rescale_o(acc, alpha);
+  const uint64_t vd = wgmma_desc(smem_addr(smem + kSmemK + buf * kTileBytes), 8192, 1024);
+  if constexpr (kRegP) {
+    pv_regp_issue<kBf16>(acc, pk, vd);
+  } else {
+    bar_sync(kBarWg0P, 128);
+    pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024), vd);
+  }
+}
+DEVFN uint64_t split_kd(char* smem, int tc) {
+  return wgmma_desc(smem_addr(smem + kSmemK + (tc & 1) * kTileBytes), 16, 1024);
+}
+// Warpgroup 1 of the split: rescale by warpgroup 0's alpha, O[:, 256:] += P V (P from shared memory).
+template <bool kBf16>
+DEVFN void split_wg1_tile(char* smem, int tc, Acc& acc, int lane, int w) {
+  const int buf = tc & 1, r0 = 16 * (w & 3) + (lane >> 2);
+  const float* alpha_b = reinterpret_cast<const float*>(smem + kSmemRowMax) + 64 * buf;
   bar_sync(kBarPReady0 + buf, kConsumerThreads);
-  alpha[0] = alpha_b[r0];
-  alpha[1] = alpha_b[r0 + 8];
+  const float alpha[2] = {alpha_b[r0], alpha_b[r0 + 8]};
   rescale_o(acc, alpha);
   pv_wgmma<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
-           wgmma_desc(ka + 4u * 8192u, 8192, 1024));
+                  wgmma_desc(smem_addr(smem + kSmemK + buf * kTileBytes) + 4u * 8192u, 8192, 1024));
+}
+template <bool kBf16>
+DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
+  if (w < 4) {
+    float s[8][4];
+    uint32_t pk[8][2];
+    qk_wgmma<64, kBf16>(s, wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024), split_kd(smem, tc));
+    split_softmax_pv<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
+    wgmma_wait<0>();
+    pk_fence(pk);
+    reg_fence<128>(&acc.o[0][0]);
+    return;
+  }
+  split_wg1_tile<kBf16>(smem, tc, acc, lane, w);
 }
 #endif
 
@@ -1070,6 +1050,79 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
     consume_tile_wgmma<C::bf16>(smem, tc & 1, acc, scale_log2, w, lane);
   else
     consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
+}
+
+// Tiles tc0 .. tc0 + n - 1 of the CTA's sequence: wait, consume, release each.
+// Pipelined (kConsumerPipeline, wgmma builds): the PV of tile tc stays in flight while the consumers
+// wait for tile tc + 1 and issue its S, so the tensor pipe runs PV(tc) and QK(tc + 1) back to back
+// instead of idling through the PV drain, the release, the FULL barrier and the first QK issue;
+// tile tc is released once its PV has completed (wgmma_wait<1>: the newer QK group may still run,
+// reading the other buffer). Symmetric consumers: both warpgroups; split: warpgroup 0 (warpgroup 1
+// only adds its PV after P is ready). No hand-off waits on a later release: FULL of tile tc + 1
+// needs EMPTY of tile tc - 1 only.
+template <class C>
+DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
+#if DSV41_WGMMA
+  if constexpr (kConsumerPipeline && !C::split) {
+    if (n <= 0) return;
+    // (The last tile is peeled off so that no branch or loop-carried copy touches a register of a
+    // wgmma in flight: ptxas would inject waits or serialise the wgmmas.)
+    float s[4][4];
+    const int last = tc0 + n - 1;
+    await_tile(crew, tc0, w);
+    sym_qk_issue<C::bf16>(smem, tc0 & 1, s, w);
+    for (int tc = tc0; tc < last; ++tc) {
+      wgmma_wait<0>();
+      reg_fence<16>(&s[0][0]);
+      sym_softmax_pv<C::bf16>(smem, tc & 1, s, acc, scale_log2, w, lane);
+      await_tile(crew, tc + 1, w);
+      sym_qk_issue<C::bf16>(smem, (tc + 1) & 1, s, w);
+      wgmma_wait<1>();
+      reg_fence<128>(&acc.o[0][0]);
+      release_tile(crew, tc, lane);
+    }
+    wgmma_wait<0>();
+    reg_fence<16>(&s[0][0]);
+    sym_softmax_pv<C::bf16>(smem, last & 1, s, acc, scale_log2, w, lane);
+    wgmma_wait<0>();
+    reg_fence<128>(&acc.o[0][0]);
+    release_tile(crew, last, lane);
+    return;
+  }
+  if constexpr (kConsumerPipeline && C::split) {
+    if (w < 4) {
+      if (n <= 0) return;
+      float s[8][4];
+      uint32_t pk[8][2];
+      const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
+      const int last = tc0 + n - 1;
+      await_tile(crew, tc0, w);
+      qk_issue<64, C::bf16>(s, qd, split_kd(smem, tc0));
+      for (int tc = tc0; tc < last; ++tc) {
+        wgmma_wait<0>();
+        reg_fence<32>(&s[0][0]);
+        split_softmax_pv<C::bf16, false>(smem, tc, s, pk, acc, scale_log2, w, lane);
+        await_tile(crew, tc + 1, w);
+        qk_issue<64, C::bf16>(s, qd, split_kd(smem, tc + 1));
+        wgmma_wait<1>();
+        reg_fence<128>(&acc.o[0][0]);
+        release_tile(crew, tc, lane);
+      }
+      wgmma_wait<0>();
+      reg_fence<32>(&s[0][0]);
+      split_softmax_pv<C::bf16, false>(smem, last, s, pk, acc, scale_log2, w, lane);
+      wgmma_wait<0>();
+      reg_fence<128>(&acc.o[0][0]);
+      release_tile(crew, last, lane);
+      return;
+    }
+  }
+#endif
+  for (int tc = tc0; tc < tc0 + n; ++tc) {
+    await_tile(crew, tc, w);
+    consume_tile(crew, smem, tc, acc, scale_log2, w, lane);
+    release_tile(crew, tc, lane);
+  }
 }
 
 
@@ -1245,11 +1298,8 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
-    for (int blk = sg.blk0; blk < sg.blk1; ++blk, ++tc) {
-      await_tile(crew, tc, w);
-      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
-      release_tile(crew, tc, lane);
-    }
+    consume_tiles(crew, smem, tc, sg.blk1 - sg.blk0, acc, p.scale_log2, w, lane);
+    tc += sg.blk1 - sg.blk0;
     publish_row_stats(smem, acc, w, lane);
     const int first = ldg_nc_s32(p.num_splits + req);
     const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
@@ -1483,21 +1533,14 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
       tn += tn < ntiles ? 1 : 0;
       return t;
     };
-    if constexpr (kPrefillCpAsync && !kPair)
-      produce_tiles_async(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
-    else
-      produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
+    produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
   } else {
     setmaxnreg_inc<crew.consumer_regs>();
     Acc acc;
     const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
     if (ntiles > 0) load_q<crew.bf16>(smem, p.q + head_row * kHeadDim, thread_idx());
     acc_reset(acc);
-    for (int tc = 0; tc < ntiles; ++tc) {
-      await_tile(crew, tc, w);
-      consume_tile(crew, smem, tc, acc, p.scale_log2, w, lane);
-      release_tile(crew, tc, lane);
-    }
+    consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
     publish_row_stats(smem, acc, w, lane);
     write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
                 p.sink + (int64_t)group * kHeadsPerCta);

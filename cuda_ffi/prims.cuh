@@ -376,13 +376,6 @@ DEVFN void bulk_copy_to_peer(uint32_t caddr, uint32_t saddr, uint32_t bytes, uin
                "r"(saddr), "r"(bytes), "r"(cbar)
                : "memory");
 }
-// cp.async.cg of 16 bytes from global memory to this CTA's shared memory (src_bytes < 16: the rest
-// zero-filled, 0 reads nothing); the copies of a thread land by its cp_async_wait_all.
-DEVFN void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(src), "r"(src_bytes) : "memory");
-}
-DEVFN void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-DEVFN void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 DEVFN void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(caddr), "r"(v),
                "r"(cbar)
@@ -409,9 +402,6 @@ inline void mbar_arrive(uint32_t caddr) { emu::mbar_arrive(caddr); }
 inline void mbar_arrive_expect_tx(uint32_t saddr, uint32_t bytes) { emu::mbar_arrive(saddr | emu::cluster_self(), bytes); }
 inline void st_async_v4(uint32_t caddr, const uint4& v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
 inline void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) { emu::st_async(caddr, &v, sizeof v, cbar); }
-inline void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) { emu::cp_async(saddr, src, src_bytes); }
-inline void cp_async_commit() {}
-inline void cp_async_wait_all() { emu::cp_async_wait_all(); }
 // (the source bytes are read at issue, so a kernel that rewrote them before the copy completed would
 // go unnoticed here; the proxy fence before it is not modelled either)
 inline void bulk_copy_to_peer(uint32_t caddr, uint32_t saddr, uint32_t bytes, uint32_t cbar) {
@@ -561,6 +551,15 @@ DEVFN uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 // wgmma instead of the mask / shift / or of wgmma_desc (13 instructions per wgmma in the profile).
 DEVFN uint64_t wgmma_desc_add(uint64_t desc, uint32_t off) {
   return (desc & 0xffffffff00000000ull) | (uint32_t)((uint32_t)desc + (off >> 4));
+}
+// `v`, opaque to the compiler's loop-invariant code motion: with a wgmma issue sequence in two places
+// of a loop (the pipelined consumers) nvcc hoisted all 64 per-k-step descriptors out of the loop and
+// ptxas spilled them to local memory; recomputing each add next to its wgmma costs one instruction.
+DEVFN uint64_t opaque_u64(uint64_t v) {
+#if DSV41_DEVICE
+  asm volatile("mov.b64 %0, %0;" : "+l"(v));
+#endif
+  return v;
 }
 
 // Generic-proxy shared-memory writes (st.shared) become visible to the async proxy (wgmma operand

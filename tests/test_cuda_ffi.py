@@ -361,33 +361,6 @@ def test_emulated_flipped_consumer_shapes(tmp_path):
     assert r.returncode == 0 and "SPLIT-OK" in out, out[-3000:]
 
 
-_CPASYNC_SCRIPT = '''
-import sys
-import cuda_ffi.emulate as E
-E.load(path=sys.argv[1])
-from tests.attention_cases import PREFILL_GRID, make_prefill_case, make_growing_scores_prefill_case
-from tests.test_cuda_ffi import _prefill_call
-cases = [make_prefill_case(200 + i, **kw) for i, (_, kw) in enumerate(PREFILL_GRID)]
-cases += [make_prefill_case(24, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf"), make_growing_scores_prefill_case(35)]
-for i, c in enumerate(cases):
-    c.check(E.prefill_emulated(_prefill_call(c), seed=5 + i), f"cp.async prefill {i}")
-print("CPASYNC-OK")
-'''
-
-
-def test_emulated_prefill_cp_async_producers(tmp_path):
-    # DSV41_EXP_PREFILL_CPASYNC: the prefill producers copy bf16 rows by cp.async straight into the K
-    # buffer and convert them in place (the emulator poisons a copy's destination until its wait).
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_PREFILL_CPASYNC",))
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _CPASYNC_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
-                       timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and "CPASYNC-OK" in out, out[-3000:]
-
-
 @pytest.mark.parametrize("kw,num_sms", [
     (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
     (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
