@@ -159,6 +159,15 @@ constexpr bool kPairBulk = false;
 constexpr bool kPairBulk = true;
 #endif
 
+// Experiment (DSV41_EXP_LATE_PEMPTY): a pair's producer warp waits for the peer's release of the
+// buffer (PEMPTY) only before its writes into the peer (mask word, bulk copies), after its local
+// stores, instead of before them, so the remote arrival's latency overlaps the local half.
+#ifdef DSV41_EXP_LATE_PEMPTY
+constexpr bool kLatePempty = true;
+#else
+constexpr bool kLatePempty = false;
+#endif
+
 // Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it sends to its peer
 // per tile: its 8 rows (eight 1 KB cp.async.bulk copies, or lane st.async stores under
 // DSV41_EXP_PAIR_ST_ASYNC) + its mask word (st.async): 8 x 1024 + 4.
@@ -416,13 +425,14 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
 // fp8 chunk c = q + 4i becomes f16 chunks 2c, 2c + 1 = 8i + 2q (+1), the RoPE f16 chunks 56 + 2q (+1).
 template <class C>
 DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vmask, const Share& sh, int b,
-                       int lane, const Batch& bt) {
+                       int lane, const Batch& bt, int pempty_parity = -1) {
   char* kbuf = smem + kSmemK + buf * kTileBytes;
   constexpr bool remote = C::ncta == 2 && !kPairBulk;  // rows by st.async (the mask word always is)
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
-  if (lane == 0) store_valid_word(smem, C::ncta == 2, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
+  constexpr bool late = kLatePempty && C::ncta == 2 && kPairBulk;
+  if (lane == 0) store_valid_word(smem, C::ncta == 2 && !late, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
   const int row = sh.base + 8 * b + (lane >> 2), q = lane & 3, r7 = row & 7;
   if (!C::bf16 && fp8) {  // warp-uniform (bf16-operand crews: prefill, bf16 rows only)
     const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
@@ -449,6 +459,11 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
     syncwarp();
     const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
     if (lane == 0) {  // (lanes 0..7 issuing one copy each measured the same: RESULTS.md, seventh session)
+      if constexpr (late) {
+        if (pempty_parity >= 0) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)pempty_parity);
+        st_async_u32(peer + (uint32_t)(kSmemValid + 4 * (8 * buf + ((sh.base + 8 * b) >> 3))), (vmask >> (8 * b)) & 0xffu,
+                     rbar);
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
@@ -464,9 +479,9 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
 // ring across tiles.)
 template <int NB, class C>
 DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
-                     const Share& sh, int lane, const Batch& first) {
+                     const Share& sh, int lane, const Batch& first, int pempty_parity = -1) {
   const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
-  store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first);
+  store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first, pempty_parity);
 #pragma unroll 1
   for (int b = 1; b < NB; ++b) {
     Batch bt;
@@ -510,9 +525,11 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     if (!kEarly) load_batch(ps, t0, a0, 0, lane, first);
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
-      if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
+      if (pair && !kLatePempty && DSV41_TEST_PLANT != 2)
+        mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
-    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first);
+    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first,
+                  pair && kLatePempty && tc >= 2 && DSV41_TEST_PLANT != 2 ? (int)(((tc >> 1) - 1) & 1) : -1);
     if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
