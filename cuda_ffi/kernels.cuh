@@ -498,36 +498,15 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const 
 // The producer loop over a tile sequence given by `next()` (returns the next TileSrc, ok = false
 // past the end): look-ahead as described above, FULL / EMPTY hand-off (and, in a pair, PFULL /
 // PEMPTY), final drain.
-#ifndef DSV41_EXP_ADDR_AHEAD
-#define DSV41_EXP_ADDR_AHEAD 1
-#endif
-#ifndef DSV41_EXP_IDX_AHEAD
-#define DSV41_EXP_IDX_AHEAD 2
-#endif
-// Look-ahead depths in tiles: the addresses of tile tc + kAddrAhead are computed (and its rows
-// prefetched into L2) in iteration tc from indices loaded kIdxAhead - kAddrAhead iterations earlier.
-constexpr int kAddrAhead = DSV41_EXP_ADDR_AHEAD;
-constexpr int kIdxAhead = DSV41_EXP_IDX_AHEAD;
-static_assert(kAddrAhead >= 1 && kIdxAhead > kAddrAhead && kIdxAhead <= 6, "look-ahead depths");
 template <class C, class Next>
 DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
   const Share sh = producer_share(crew, pw);
   constexpr bool pair = C::ncta == 2;
   constexpr int NB = pair ? 1 : 2;  // 8-token batches per warp and tile
-  constexpr int KA = kAddrAhead, KI = kIdxAhead;
-  // t[j]: tile tc + j; a[j] its addresses (j <= KA); ix[j] its indices (KA <= j <= KI).
-  TileSrc t[KI + 1];
-  TileAddr<NB> a[KA + 1];
-  TileIdx<NB> ix[KI + 1];
-#pragma unroll
-  for (int j = 0; j < KI; ++j) t[j] = next();
-#pragma unroll
-  for (int j = 0; j < KA; ++j) {
-    a[j] = tile_addr<NB>(ps, t[j], tile_index<NB>(ps, t[j], sh, lane), sh, lane);
-    if (j > 0) tile_prefetch<NB>(ps, t[j], a[j], lane);
-  }
-#pragma unroll
-  for (int j = KA; j < KI; ++j) ix[j] = tile_index<NB>(ps, t[j], sh, lane);
+  TileSrc t0 = next();
+  TileSrc t1 = next();
+  TileIdx<NB> i1 = tile_index<NB>(ps, t1, sh, lane);
+  TileAddr<NB> a0 = tile_addr<NB>(ps, t0, tile_index<NB>(ps, t0, sh, lane), sh, lane);
   // Pairs load the first batch of tile tc at the end of iteration tc - 1, as soon as the registers
   // of tile tc - 1's batch are free: its latency overlaps the PFULL wait, the next tile's index and
   // address work and the wait for the buffer (decode 578 -> 534 us). One CTA (two batches per warp,
@@ -535,23 +514,23 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   // the 16 bf16 chunks cost prefill 5.9 -> 7.2 ms (RESULTS.md, "cuda producer lanes").
   constexpr bool kEarly = pair;
   Batch first;
-  if (kEarly) load_batch(ps, t[0], a[0], 0, lane, first);
+  if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
   int tc = 0;
-  for (; t[0].ok; ++tc) {
-    t[KI] = next();
-    ix[KI] = tile_index<NB>(ps, t[KI], sh, lane);  // consumed KI - KA tiles later
-    a[KA] = tile_addr<NB>(ps, t[KA], ix[KA], sh, lane);
-    tile_prefetch<NB>(ps, t[KA], a[KA], lane);
+  for (; t0.ok; ++tc) {
+    const TileSrc t2 = next();
+    const TileIdx<NB> i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
+    const TileAddr<NB> a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
+    tile_prefetch<NB>(ps, t1, a1, lane);
     const int buf = tc & 1;
-    if (!kEarly) load_batch(ps, t[0], a[0], 0, lane, first);
+    if (!kEarly) load_batch(ps, t0, a0, 0, lane, first);
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
       if (pair && !kLatePempty && DSV41_TEST_PLANT != 2)
         mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
-    fill_tile<NB>(smem, crew, buf, ps, t[0], a[0], sh, lane, first,
+    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first,
                   pair && kLatePempty && tc >= 2 && DSV41_TEST_PLANT != 2 ? (int)(((tc >> 1) - 1) & 1) : -1);
-    if (kEarly) load_batch(ps, t[1], a[1], 0, lane, first);  // the next tile's (nothing when !t[1].ok)
+    if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
       if (DSV41_TEST_PLANT != 1) mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);
@@ -569,12 +548,10 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     }
     bar_arrive(kBarFull0 + buf, C::full_count);
     if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
-#pragma unroll
-    for (int j = 0; j < KI; ++j) t[j] = t[j + 1];
-#pragma unroll
-    for (int j = 0; j < KA; ++j) a[j] = a[j + 1];
-#pragma unroll
-    for (int j = KA; j < KI; ++j) ix[j] = ix[j + 1];
+    t0 = t1;
+    a0 = a1;
+    t1 = t2;
+    i1 = i2;
   }
   // Drain: consume the consumers' EMPTY arrivals of the last two tiles so every named-barrier
   // phase completes before the CTA exits (the peer's PEMPTY arrivals need no drain).
