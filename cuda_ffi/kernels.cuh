@@ -851,12 +851,64 @@ DEVFN void sym_softmax_pv(char* smem, int buf, float (&s)[4][4], Acc& acc, float
   pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
                   wgmma_desc(ka + 4u * 8192u * th, 8192, 1024));
 }
+// Experiment (DSV41_EXP_QK_KSPLIT, params.h kQkKSplit): S of the symmetric consumers split over the
+// dims instead of the tokens. Warpgroup th computes partial scores of all 64 tokens over dims
+// 256th..256th+255 (m64n64k16 x 16: Q read once per tile instead of once per warpgroup, half the
+// wgmma issues), sends the other token half's partials to the warpgroup that owns those tokens
+// (the thread with the same rows and columns there) and adds the partials it receives for its own
+// 32 tokens, ending in the fragment layout of the m64n32 scores (s[j] = tokens 32th + 8j + ...).
+template <bool kBf16>
+DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane) {
+  const uint32_t th = (uint32_t)(w >> 2);
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes) + th * 4u * 8192u;
+  // (opaque: hoisted out of the tile loop, the 16 Q descriptors spilled)
+  const uint64_t qd = opaque_u64(wgmma_desc(smem_addr(smem + kSmemQ) + th * 4u * 8192u, 16, 1024));
+  const uint64_t kd = opaque_u64(wgmma_desc(ka, 16, 1024));
+  float p[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+  reg_fence<32>(&p[0][0]);
+  wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 32; ++ks) {
+    const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
+    wgmma_m64n64k16<kBf16>(&p[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
+  }
+#endif
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence<32>(&p[0][0]);
+  const int tid = 32 * (w & 3) + lane;
+  float4* xo = reinterpret_cast<float4*>(smem + kSmemXS + (int)th * 8192) + tid;
+  const float4* xi = reinterpret_cast<const float4*>(smem + kSmemXS + (1 - (int)th) * 8192) + tid;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)  // the other warpgroup's tokens: column blocks 4 (1 - th) + j
+    xo[128 * j] = th ? make_float4(p[j][0], p[j][1], p[j][2], p[j][3])
+                     : make_float4(p[4 + j][0], p[4 + j][1], p[4 + j][2], p[4 + j][3]);
+  bar_sync(kBarConsumers, kConsumerThreads);  // B0: partial scores exchanged
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4 v = xi[128 * j];
+    s[j][0] = (th ? p[4 + j][0] : p[j][0]) + v.x;
+    s[j][1] = (th ? p[4 + j][1] : p[j][1]) + v.y;
+    s[j][2] = (th ? p[4 + j][2] : p[j][2]) + v.z;
+    s[j][3] = (th ? p[4 + j][3] : p[j][3]) + v.w;
+  }
+}
+
 template <bool kBf16>
 DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
   float s[4][4];
-  sym_qk_issue<kBf16>(smem, buf, s, w);
-  wgmma_wait<0>();
-  reg_fence<16>(&s[0][0]);
+  if constexpr (kQkKSplit) {
+    sym_qk_ksplit<kBf16>(smem, buf, s, w, lane);
+  } else {
+    sym_qk_issue<kBf16>(smem, buf, s, w);
+    wgmma_wait<0>();
+    reg_fence<16>(&s[0][0]);
+  }
   sym_softmax_pv<kBf16>(smem, buf, s, acc, scale_log2, w, lane);
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
@@ -1080,6 +1132,7 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
 template <class C>
 DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
 #if DSV41_WGMMA
+  static_assert(!(kConsumerPipeline && kQkKSplit), "the consumer pipeline issues the m64n32 QK");
   if constexpr (kConsumerPipeline && !C::split) {
     if (n <= 0) return;
     // (The last tile is peeled off so that no branch or loop-carried copy touches a register of a
