@@ -23,8 +23,14 @@ constexpr bool kQkKSplit = true;  // (the m64n64 partial scores need 8 more cons
 #else
 constexpr bool kQkKSplit = false;
 #endif
+// (DSV41_EXP_PRODUCER_REGS=P: ablation of the symmetric crews' split of the registers, consumers (504 - P) / 2)
+#ifdef DSV41_EXP_PRODUCER_REGS
+constexpr int kProducerRegs = DSV41_EXP_PRODUCER_REGS;
+constexpr int kConsumerRegs = ((504 - DSV41_EXP_PRODUCER_REGS) / 2) & ~7;
+#else
 constexpr int kProducerRegs = kQkKSplit ? 120 : 128;  // symmetric consumers: 128 + 2 x 184 = 496
 constexpr int kConsumerRegs = kQkKSplit ? 192 : 184;
+#endif
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
 constexpr int kSplitConsumerRegs = 192;
 constexpr bool regs_fit(int producer, int consumer) {
