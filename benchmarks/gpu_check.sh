@@ -21,8 +21,7 @@
 #                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
 #                 rows sent to the peer by lane st.async stores instead of cp.async.bulk (pair_st_async),
 #                 PV of tile n in flight while the consumers wait for tile n + 1 and issue its S
-#                 (consumer_pipeline), a pair's producers waiting for the peer's release only before their
-#                 writes into the peer (late_pempty), the symmetric consumers' S split over the dims with
+#                 (consumer_pipeline), the symmetric consumers' S split over the dims with
 #                 the partial scores exchanged (qk_ksplit)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
@@ -70,8 +69,8 @@ for s in "${stages[@]}"; do
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
                "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
-               "consumer_pipeline:--define DSV41_EXP_CONSUMER_PIPELINE" "late_pempty:--define DSV41_EXP_LATE_PEMPTY" \
-               "qk_ksplit:--define DSV41_EXP_QK_KSPLIT" \
+               "consumer_pipeline:--define DSV41_EXP_CONSUMER_PIPELINE" \
+               "qk_ksplit:--define DSV41_EXP_QK_KSPLIT --define DSV41_EXP_PRODUCER_REGS=104" \
                ${extra[@]+"${extra[@]}"}; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac

@@ -159,15 +159,6 @@ constexpr bool kPairBulk = false;
 constexpr bool kPairBulk = true;
 #endif
 
-// Experiment (DSV41_EXP_LATE_PEMPTY): a pair's producer warp waits for the peer's release of the
-// buffer (PEMPTY) only before its writes into the peer (mask word, bulk copies), after its local
-// stores, instead of before them, so the remote arrival's latency overlaps the local half.
-#ifdef DSV41_EXP_LATE_PEMPTY
-constexpr bool kLatePempty = true;
-#else
-constexpr bool kLatePempty = false;
-#endif
-
 // Tokens per tile one producer warp of a pair gathers (one batch), and the bytes it sends to its peer
 // per tile: its 8 rows (eight 1 KB cp.async.bulk copies, or lane st.async stores under
 // DSV41_EXP_PAIR_ST_ASYNC) + its mask word (st.async): 8 x 1024 + 4.
@@ -348,19 +339,26 @@ DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& 
 }
 
 // One batch (8 tokens) of a warp's share in registers: loads issued, not yet used. fp8_ds_mla:
-// v[0..6] the e4m3 chunks, v[7], v[8] the RoPE bytes, sc the 8 scale bytes (v[9..15] unused); bf16:
-// v[0..15] (sc unused). Invalid tokens are zero (with scale byte 127: the fast dequantisation path).
-struct Batch {
-  uint4 v[16];
+// v[0..6] the e4m3 chunks, v[7], v[8] the RoPE bytes, sc the 8 scale bytes (v[9..] unused); bf16:
+// v[0..15] (NV = 16) or, in a pair (NV = 9: the producers' registers are the decode's scarcest
+// resource), one half of the 16 chunks at a time in v[0..7] (sc unused). Invalid tokens are zero
+// (with scale byte 127: the fast dequantisation path).
+template <int NV>
+struct BatchT {
+  static_assert(NV == 16 || NV == 9, "a batch holds all bf16 chunks or one fp8 token quarter");
+  static constexpr int kBf16Chunks = NV == 16 ? 16 : 8;  // bf16 chunks per load (one half when 8)
+  uint4 v[NV];
   uint2 sc;
 };
 
 DEVFN int bf16_chunk(int i, int lane) { return 8 * (i >> 1) + 4 * ((i & 1) ^ ((lane >> 2) & 1)) + (lane & 3); }
 
-template <int NB>
-DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int b, int lane, Batch& bt) {
+// half: which 8 of the 16 bf16 chunks (batches of 8-chunk capacity only).
+template <int NB, int NV>
+DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int b, int lane, BatchT<NV>& bt,
+                      int half = 0) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) bt.v[i] = make_u4(0, 0, 0, 0);
+  for (int i = 0; i < NV; ++i) bt.v[i] = make_u4(0, 0, 0, 0);
   bt.sc.x = bt.sc.y = 0x7f7f7f7fu;
 #ifdef DSV41_EXP_NO_GATHER  // experiment: no cache reads (zero rows), everything else unchanged
   return;
@@ -377,7 +375,7 @@ DEVFN void load_batch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, 
     bt.sc = ldg_nc_v2(base + a.soff[b]);
   } else {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) bt.v[i] = ldg_nc_v4(d + 16 * bf16_chunk(i, lane));
+    for (int i = 0; i < BatchT<NV>::kBf16Chunks; ++i) bt.v[i] = ldg_nc_v4(d + 16 * bf16_chunk(i + 8 * half, lane));
   }
 }
 
@@ -400,12 +398,13 @@ DEVFN void store_valid_word(char* smem, bool remote, uint32_t peer, uint32_t rba
   if (remote) st_async_u32(peer + (uint32_t)off, bits & 0xffu, rbar);
 }
 
-DEVFN uint32_t scale_byte(const Batch& bt, int i) { return ((i < 4 ? bt.sc.x : bt.sc.y) >> (8 * (i & 3))) & 0xffu; }
+template <int NV>
+DEVFN uint32_t scale_byte(const BatchT<NV>& bt, int i) { return ((i < 4 ? bt.sc.x : bt.sc.y) >> (8 * (i & 3))) & 0xffu; }
 
 // The 16 f16 chunks of this lane's quarter of an fp8_ds_mla token (row offsets e0 / e1 of its even /
 // odd chunks in column block 0): block i < 7 from e4m3 chunk i, block 7 the RoPE.
-template <bool kFast>
-DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int e0, int e1, const Batch& bt) {
+template <bool kFast, int NV>
+DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int e0, int e1, const BatchT<NV>& bt) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     uint4 first, second;
@@ -420,19 +419,20 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
   }
 }
 
-// Dequantise / convert loaded batch b (rows sh.base + 8b ..) and store it with its mask word.
+// Dequantise / convert loaded batch b (rows sh.base + 8b ..) and store it with its mask word; bf16
+// batches of one half (NV = 9): `half` 0 stores the first 8 chunks and returns (`last` false), the
+// caller loads and stores half 1; a pair sends the rows to its peer after the last part.
 // f16 chunk k of row r sits at (k / 8) * 8192 + r * 128 + ((k % 8) ^ (r % 8)) * 16 (params.h):
 // fp8 chunk c = q + 4i becomes f16 chunks 2c, 2c + 1 = 8i + 2q (+1), the RoPE f16 chunks 56 + 2q (+1).
-template <class C>
+template <class C, int NV>
 DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vmask, const Share& sh, int b,
-                       int lane, const Batch& bt, int pempty_parity = -1) {
+                       int lane, const BatchT<NV>& bt, int half = 0, bool last = true) {
   char* kbuf = smem + kSmemK + buf * kTileBytes;
   constexpr bool remote = C::ncta == 2 && !kPairBulk;  // rows by st.async (the mask word always is)
   const uint32_t peer = crew.peer;
   const uint32_t rbuf = peer + (uint32_t)(kSmemK + buf * kTileBytes);
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
-  constexpr bool late = kLatePempty && C::ncta == 2 && kPairBulk;
-  if (lane == 0) store_valid_word(smem, C::ncta == 2 && !late, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
+  if (lane == 0 && last) store_valid_word(smem, C::ncta == 2, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
   const int row = sh.base + 8 * b + (lane >> 2), q = lane & 3, r7 = row & 7;
   if (!C::bf16 && fp8) {  // warp-uniform (bf16-operand crews: prefill, bf16 rows only)
     const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
@@ -447,23 +447,19 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int k = bf16_chunk(i, lane);
+    for (int i = 0; i < BatchT<NV>::kBf16Chunks; ++i) {
+      const int k = bf16_chunk(i + 8 * half, lane);
       store_chunk(kbuf, remote, rbuf, rbar, (k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4),
                   C::bf16 ? bt.v[i] : bf16x8_to_f16x8(bt.v[i]));
     }
   }
+  if (!last) return;
   if constexpr (C::ncta == 2 && kPairBulk) {
     // rows sh.base + 8b .. + 7: 1 KB at j * 8192 + 128 * row0 of column block j, in both CTAs
     fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
     syncwarp();
     const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
     if (lane == 0) {  // (lanes 0..7 issuing one copy each measured the same: RESULTS.md, seventh session)
-      if constexpr (late) {
-        if (pempty_parity >= 0) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)pempty_parity);
-        st_async_u32(peer + (uint32_t)(kSmemValid + 4 * (8 * buf + ((sh.base + 8 * b) >> 3))), (vmask >> (8 * b)) & 0xffu,
-                     rbar);
-      }
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
@@ -477,14 +473,20 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
 // latency overlaps that wait. (Measured alternatives, cuda_notes.md: one lane per 16 dims of a
 // token with fp8 and RoPE lanes diverging, one batch of 16 fp8 tokens, a continuous 8-deep token
 // ring across tiles.)
-template <int NB, class C>
+template <int NB, class C, int NV>
 DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
-                     const Share& sh, int lane, const Batch& first, int pempty_parity = -1) {
+                     const Share& sh, int lane, BatchT<NV>& first) {
   const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
-  store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first, pempty_parity);
+  if (NV < 16 && !fp8) {  // bf16 rows in halves (warp-uniform)
+    store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first, 0, false);
+    load_batch(ps, t, a, 0, lane, first, 1);
+    store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first, 1, true);
+  } else {
+    store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first);
+  }
 #pragma unroll 1
   for (int b = 1; b < NB; ++b) {
-    Batch bt;
+    BatchT<NV> bt;
     load_batch(ps, t, a, b, lane, bt);
     store_batch(smem, crew, buf, fp8, a.vmask, sh, b, lane, bt);
   }
@@ -513,7 +515,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   // prefill's bf16 rows) loads it just before the wait for the buffer: held across the iteration,
   // the 16 bf16 chunks cost prefill 5.9 -> 7.2 ms (RESULTS.md, "cuda producer lanes").
   constexpr bool kEarly = pair;
-  Batch first;
+  BatchT<pair ? 9 : 16> first;
   if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
   int tc = 0;
   for (; t0.ok; ++tc) {
@@ -525,11 +527,9 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     if (!kEarly) load_batch(ps, t0, a0, 0, lane, first);
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
-      if (pair && !kLatePempty && DSV41_TEST_PLANT != 2)
-        mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
+      if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
-    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first,
-                  pair && kLatePempty && tc >= 2 && DSV41_TEST_PLANT != 2 ? (int)(((tc >> 1) - 1) & 1) : -1);
+    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first);
     if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
@@ -886,8 +886,8 @@ DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane)
   const float4* xi = reinterpret_cast<const float4*>(smem + kSmemXS + (1 - (int)th) * 8192) + tid;
 #pragma unroll
   for (int j = 0; j < 4; ++j)  // the other warpgroup's tokens: column blocks 4 (1 - th) + j
-    xo[128 * j] = th ? make_float4(p[j][0], p[j][1], p[j][2], p[j][3])
-                     : make_float4(p[4 + j][0], p[4 + j][1], p[4 + j][2], p[4 + j][3]);
+    xo[128 * j] = th ? make_f4(p[j][0], p[j][1], p[j][2], p[j][3])
+                     : make_f4(p[4 + j][0], p[4 + j][1], p[4 + j][2], p[4 + j][3]);
   bar_sync(kBarConsumers, kConsumerThreads);  // B0: partial scores exchanged
 #pragma unroll
   for (int j = 0; j < 4; ++j) {

@@ -38,6 +38,11 @@ DEVFN uint4 make_u4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
   r.x = x; r.y = y; r.z = z; r.w = w;
   return r;
 }
+DEVFN float4 make_f4(float x, float y, float z, float w) {
+  float4 r;
+  r.x = x; r.y = y; r.z = z; r.w = w;
+  return r;
+}
 
 // ------------------------------------------------------------------------------ identity
 #if DSV41_DEVICE
