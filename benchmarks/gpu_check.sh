@@ -20,9 +20,8 @@
 #                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
 #                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
 #                 rows sent to the peer by lane st.async stores instead of cp.async.bulk (pair_st_async),
-#                 PV of tile n in flight while the consumers wait for tile n + 1 and issue its S
-#                 (consumer_pipeline), the symmetric consumers' S split over the dims with
-#                 the partial scores exchanged (qk_ksplit)) and for
+#                 a pair's consumers computing S split over the tokens (no_qk_ksplit: S by m64n32 per
+#                 warpgroup, each reading all of Q)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill), $ABL_EXTRA more variants,
@@ -69,8 +68,7 @@ for s in "${stages[@]}"; do
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
                "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
-               "consumer_pipeline:--define DSV41_EXP_CONSUMER_PIPELINE" \
-               "qk_ksplit:--define DSV41_EXP_QK_KSPLIT --define DSV41_EXP_PRODUCER_REGS=104" \
+               "no_qk_ksplit:--define DSV41_EXP_NO_QK_KSPLIT" \
                ${extra[@]+"${extra[@]}"}; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac

@@ -69,8 +69,6 @@ enum : int { kBarCta = 0, kBarConsumers = 1, kBarFull0 = 2, kBarEmpty0 = 4 };
 // for warpgroup 1 (FULL b is then warpgroup 0's: each warpgroup waits for the tile
 // on its own, so warpgroup 0 can start tile n + 1 while warpgroup 1 is still in tile n).
 enum : int { kBarPReady0 = 6, kBarFullWg1_0 = 9 };
-// Pipelined split consumers (consume_tiles): warpgroup 0's P stored, before its PV reads it (128 threads).
-enum : int { kBarWg0P = 11 };
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -106,13 +104,21 @@ DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > top
 // a row-max exchange, O[:, 256 w]); true: FlashMLA's split (consume_tile_split). wgmma builds only.
 // kBf16: the tensor-core operands (Q, K/V tiles, P) are bf16 instead of f16 (wgmma builds only):
 // prefill's bf16 rows then go to shared memory as loaded, without a conversion per element.
+// ksplit: a pair's symmetric consumers compute S split over the dims (sym_qk_ksplit; off under
+// DSV41_EXP_NO_QK_KSPLIT).
+#ifdef DSV41_EXP_NO_QK_KSPLIT
+constexpr bool kQkKSplit = false;
+#else
+constexpr bool kQkKSplit = true;
+#endif
 template <bool kPair, bool kSplit = false, bool kBf16 = false>
 struct Crew {
   static constexpr int ncta = kPair ? 2 : 1;
   static constexpr bool split = kSplit && kWgmma;
   static constexpr bool bf16 = kBf16 && kWgmma;
-  static constexpr int producer_regs = split ? kSplitProducerRegs : kProducerRegs;
-  static constexpr int consumer_regs = split ? kSplitConsumerRegs : kConsumerRegs;
+  static constexpr bool ksplit = kPair && !split && kWgmma && kQkKSplit;
+  static constexpr int producer_regs = split ? kSplitProducerRegs : kPair ? kPairProducerRegs : kProducerRegs;
+  static constexpr int consumer_regs = split ? kSplitConsumerRegs : kPair ? kPairConsumerRegs : kConsumerRegs;
   static constexpr int full_count = split ? 256 : kThreads;  // FULL b: producers + the consumers waiting
   int rank;       // in the cluster
   uint32_t peer;  // cluster address of the peer's shared-memory base (pairs)
@@ -729,21 +735,8 @@ DEVFN void store_p(char* smem, int buf, const uint32_t (&pk)[J][2], int chunk0, 
     for (int hr = 0; hr < 2; ++hr) *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, chunk0 + j) + 4 * t) = pk[j][hr];
 }
 
-// S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
-// Q and K from shared memory through the descriptors of their first 16 dims; returns with the
-// products in s.
-// See consume_tiles.
-#ifdef DSV41_EXP_CONSUMER_PIPELINE
-constexpr bool kConsumerPipeline = true;
-#else
-constexpr bool kConsumerPipeline = false;
-#endif
 template <int N, bool kBf16 = false>
 DEVFN void qk_issue(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
-  if constexpr (kConsumerPipeline) {
-    qd = opaque_u64(qd);
-    kd = opaque_u64(kd);
-  }
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -851,12 +844,16 @@ DEVFN void sym_softmax_pv(char* smem, int buf, float (&s)[4][4], Acc& acc, float
   pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
                   wgmma_desc(ka + 4u * 8192u * th, 8192, 1024));
 }
-// Experiment (DSV41_EXP_QK_KSPLIT, params.h kQkKSplit): S of the symmetric consumers split over the
+// A pair's symmetric consumers (Crew::ksplit; off under DSV41_EXP_NO_QK_KSPLIT): S split over the
 // dims instead of the tokens. Warpgroup th computes partial scores of all 64 tokens over dims
 // 256th..256th+255 (m64n64k16 x 16: Q read once per tile instead of once per warpgroup, half the
 // wgmma issues), sends the other token half's partials to the warpgroup that owns those tokens
 // (the thread with the same rows and columns there) and adds the partials it receives for its own
 // 32 tokens, ending in the fragment layout of the m64n32 scores (s[j] = tokens 32th + 8j + ...).
+// Shared-memory operand bytes per tile: 128 KB instead of 192 KB (the m64n32 S was bound by them), plus
+// 32 KB of exchange; needs 200 consumer registers (params.h kPairConsumerRegs). Decode -1% (eighth
+// session). The exchange region is reused per tile: a warpgroup writes it again only after B1 of this
+// tile, which the other one reaches after its reads.
 template <bool kBf16>
 DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane) {
   const uint32_t th = (uint32_t)(w >> 2);
@@ -899,10 +896,10 @@ DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane)
   }
 }
 
-template <bool kBf16>
+template <bool kBf16, bool kKSplit>
 DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
   float s[4][4];
-  if constexpr (kQkKSplit) {
+  if constexpr (kKSplit) {
     sym_qk_ksplit<kBf16>(smem, buf, s, w, lane);
   } else {
     sym_qk_issue<kBf16>(smem, buf, s, w);
@@ -1010,10 +1007,8 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's
 // default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_flipped_consumer_shapes).
 // Warpgroup 0 of the split, from S of tile tc (waited on) to its PV issued (one commit group left in
-// flight): mask, softmax, P and alpha to shared memory for warpgroup 1. kRegP: its PV takes P from
-// registers (pk); otherwise from shared memory after a warpgroup-0 barrier (the pipelined loop:
-// s of the next tile, pk and O do not fit 192 registers together).
-template <bool kBf16, bool kRegP = true>
+// flight, its own P from registers, pk): mask, softmax, P and alpha to shared memory for warpgroup 1.
+template <bool kBf16>
 DEVFN void split_softmax_pv(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc, float scale_log2,
                             int w, int lane) {
   const int buf = tc & 1, g = lane >> 2, t = lane & 3;
@@ -1043,13 +1038,7 @@ DEVFN void split_softmax_pv(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)
   fence_proxy_async();
   bar_arrive(kBarPReady0 + buf, kConsumerThreads);
   rescale_o(acc, alpha);
-  const uint64_t vd = wgmma_desc(smem_addr(smem + kSmemK + buf * kTileBytes), 8192, 1024);
-  if constexpr (kRegP) {
-    pv_regp_issue<kBf16>(acc, pk, vd);
-  } else {
-    bar_sync(kBarWg0P, 128);
-    pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024), vd);
-  }
+  pv_regp_issue<kBf16>(acc, pk, wgmma_desc(smem_addr(smem + kSmemK + buf * kTileBytes), 8192, 1024));
 }
 DEVFN uint64_t split_kd(char* smem, int tc) {
   return wgmma_desc(smem_addr(smem + kSmemK + (tc & 1) * kTileBytes), 16, 1024);
@@ -1116,78 +1105,16 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
   }
 #endif
   if constexpr (kWgmma)
-    consume_tile_wgmma<C::bf16>(smem, tc & 1, acc, scale_log2, w, lane);
+    consume_tile_wgmma<C::bf16, C::ksplit>(smem, tc & 1, acc, scale_log2, w, lane);
   else
     consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
 }
 
-// Tiles tc0 .. tc0 + n - 1 of the CTA's sequence: wait, consume, release each.
-// Pipelined (kConsumerPipeline, wgmma builds): the PV of tile tc stays in flight while the consumers
-// wait for tile tc + 1 and issue its S, so the tensor pipe runs PV(tc) and QK(tc + 1) back to back
-// instead of idling through the PV drain, the release, the FULL barrier and the first QK issue;
-// tile tc is released once its PV has completed (wgmma_wait<1>: the newer QK group may still run,
-// reading the other buffer). Symmetric consumers: both warpgroups; split: warpgroup 0 (warpgroup 1
-// only adds its PV after P is ready). No hand-off waits on a later release: FULL of tile tc + 1
-// needs EMPTY of tile tc - 1 only.
+// Tiles tc0 .. tc0 + n - 1 of the CTA's sequence: wait, consume, release each. (Keeping a tile's PV
+// in flight across the wait for the next tile and its QK issue made the decode 6.5% slower: the
+// release of the tile comes later; RESULTS.md, eighth session.)
 template <class C>
 DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
-#if DSV41_WGMMA
-  static_assert(!(kConsumerPipeline && kQkKSplit), "the consumer pipeline issues the m64n32 QK");
-  if constexpr (kConsumerPipeline && !C::split) {
-    if (n <= 0) return;
-    // (The last tile is peeled off so that no branch or loop-carried copy touches a register of a
-    // wgmma in flight: ptxas would inject waits or serialise the wgmmas.)
-    float s[4][4];
-    const int last = tc0 + n - 1;
-    await_tile(crew, tc0, w);
-    sym_qk_issue<C::bf16>(smem, tc0 & 1, s, w);
-    for (int tc = tc0; tc < last; ++tc) {
-      wgmma_wait<0>();
-      reg_fence<16>(&s[0][0]);
-      sym_softmax_pv<C::bf16>(smem, tc & 1, s, acc, scale_log2, w, lane);
-      await_tile(crew, tc + 1, w);
-      sym_qk_issue<C::bf16>(smem, (tc + 1) & 1, s, w);
-      wgmma_wait<1>();
-      reg_fence<128>(&acc.o[0][0]);
-      release_tile(crew, tc, lane);
-    }
-    wgmma_wait<0>();
-    reg_fence<16>(&s[0][0]);
-    sym_softmax_pv<C::bf16>(smem, last & 1, s, acc, scale_log2, w, lane);
-    wgmma_wait<0>();
-    reg_fence<128>(&acc.o[0][0]);
-    release_tile(crew, last, lane);
-    return;
-  }
-  if constexpr (kConsumerPipeline && C::split) {
-    if (w < 4) {
-      if (n <= 0) return;
-      float s[8][4];
-      uint32_t pk[8][2];
-      const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
-      const int last = tc0 + n - 1;
-      await_tile(crew, tc0, w);
-      qk_issue<64, C::bf16>(s, qd, split_kd(smem, tc0));
-      for (int tc = tc0; tc < last; ++tc) {
-        wgmma_wait<0>();
-        reg_fence<32>(&s[0][0]);
-        split_softmax_pv<C::bf16, false>(smem, tc, s, pk, acc, scale_log2, w, lane);
-        await_tile(crew, tc + 1, w);
-        qk_issue<64, C::bf16>(s, qd, split_kd(smem, tc + 1));
-        wgmma_wait<1>();
-        reg_fence<128>(&acc.o[0][0]);
-        release_tile(crew, tc, lane);
-      }
-      wgmma_wait<0>();
-      reg_fence<32>(&s[0][0]);
-      split_softmax_pv<C::bf16, false>(smem, last, s, pk, acc, scale_log2, w, lane);
-      wgmma_wait<0>();
-      reg_fence<128>(&acc.o[0][0]);
-      release_tile(crew, last, lane);
-      return;
-    }
-  }
-#endif
   for (int tc = tc0; tc < tc0 + n; ++tc) {
     await_tile(crew, tc, w);
     consume_tile(crew, smem, tc, acc, scale_log2, w, lane);

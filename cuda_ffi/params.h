@@ -18,25 +18,20 @@ constexpr int kThreads = 32 * (kConsumerWarps + kProducerWarps);  // 384
 // the first split-consumer build asked for 128 + 2 x 192 = 512 and hung on the H200).
 constexpr int kLaunchRegs = (65536 / kThreads) & ~7;  // 168
 static_assert(kLaunchRegs == 168, "the register budgets below assume 384 threads");
-#ifdef DSV41_EXP_QK_KSPLIT
-constexpr bool kQkKSplit = true;  // (the m64n64 partial scores need 8 more consumer registers)
-#else
-constexpr bool kQkKSplit = false;
-#endif
-// (DSV41_EXP_PRODUCER_REGS=P: ablation of the symmetric crews' split of the registers, consumers (504 - P) / 2)
-#ifdef DSV41_EXP_PRODUCER_REGS
-constexpr int kProducerRegs = DSV41_EXP_PRODUCER_REGS;
-constexpr int kConsumerRegs = ((504 - DSV41_EXP_PRODUCER_REGS) / 2) & ~7;
-#else
-constexpr int kProducerRegs = kQkKSplit ? 120 : 128;  // symmetric consumers: 128 + 2 x 184 = 496
-constexpr int kConsumerRegs = kQkKSplit ? 192 : 184;
-#endif
+constexpr int kProducerRegs = 128;       // symmetric consumers, one CTA: 128 + 2 x 184 = 496
+constexpr int kConsumerRegs = 184;
+// A decode pair's producers hold one fp8 token quarter or half a bf16 row (kernels.cuh BatchT<9>) and fit
+// 104 registers; its consumers' m64n64 partial scores (sym_qk_ksplit) need the 200. (A 12-byte spill in
+// the producers made the decode 20% slower: RESULTS.md, eighth session.)
+constexpr int kPairProducerRegs = 104;  // 104 + 2 x 200 = 504
+constexpr int kPairConsumerRegs = 200;
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
 constexpr int kSplitConsumerRegs = 192;
 constexpr bool regs_fit(int producer, int consumer) {
   return kProducerWarps * producer + kConsumerWarps * consumer <= (kProducerWarps + kConsumerWarps) * kLaunchRegs;
 }
-static_assert(regs_fit(kProducerRegs, kConsumerRegs) && regs_fit(kSplitProducerRegs, kSplitConsumerRegs),
+static_assert(regs_fit(kProducerRegs, kConsumerRegs) && regs_fit(kSplitProducerRegs, kSplitConsumerRegs) &&
+                  regs_fit(kPairProducerRegs, kPairConsumerRegs),
               "setmaxnreg asks for more registers than the launch allocation holds");
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
 constexpr int kPlanThreads = 32;                                  // the split planner: one warp
@@ -115,11 +110,9 @@ constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                      // f32 [6
 constexpr int kSmemMtrue = kSmemMfin + 64 * 4;                         // f32 [64] running maxima (max_logits)
 constexpr int kSmemValid = kSmemMtrue + 64 * 4;                        // u32 [2 buffers][8]: bit j of word i = token 8i+j
 constexpr int kSmemBars = kSmemValid + 64;                             // u64 mbarriers (pairs): PFULL[2], PEMPTY[2]
-// Experiment (DSV41_EXP_QK_KSPLIT, kernels.cuh sym_qk_ksplit): the symmetric consumers' partial scores
-// exchanged between the warpgroups, f32 [2 directions][4][128 threads][4].
-constexpr int kSmemXS = kSmemBars + 32;
-constexpr int kSmemXSBytes = kQkKSplit ? 2 * 4 * 128 * 16 : 0;
-constexpr int kSmemBytes = kSmemXS + kSmemXSBytes;                     // 214880 (+ 16384 with the exchange)
+constexpr int kSmemXS = kSmemBars + 32;                                // f32 [2 directions][4][128 threads][4]: a pair's
+                                                                       // partial scores (kernels.cuh sym_qk_ksplit)
+constexpr int kSmemBytes = kSmemXS + 2 * 4 * 128 * 16;                 // 231264
 constexpr int kSmemAlign = 1024;                                       // swizzle atoms
 constexpr int kSmemLaunchBytes = kSmemBytes + kSmemAlign;              // dynamic bytes requested
 static_assert(kSmemLaunchBytes <= 227 * 1024, "attention CTA shared memory exceeds the sm_90 limit");

@@ -557,9 +557,9 @@ DEVFN uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 DEVFN uint64_t wgmma_desc_add(uint64_t desc, uint32_t off) {
   return (desc & 0xffffffff00000000ull) | (uint32_t)((uint32_t)desc + (off >> 4));
 }
-// `v`, opaque to the compiler's loop-invariant code motion: with a wgmma issue sequence in two places
-// of a loop (the pipelined consumers) nvcc hoisted all 64 per-k-step descriptors out of the loop and
-// ptxas spilled them to local memory; recomputing each add next to its wgmma costs one instruction.
+// `v`, opaque to the compiler's loop-invariant code motion: nvcc hoisted the per-k-step descriptors of a
+// loop-invariant operand (Q) out of the tile loop and ptxas spilled them to local memory; recomputing
+// each add next to its wgmma costs one instruction.
 DEVFN uint64_t opaque_u64(uint64_t v) {
 #if DSV41_DEVICE
   asm volatile("mov.b64 %0, %0;" : "+l"(v));
