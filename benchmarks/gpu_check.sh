@@ -31,6 +31,10 @@
 #                 signal 11 under ncu on 2026-11-30): a report per case, its details page and its
 #                 per-instruction source page (SASS + CUDA lines). Five files per case: the device
 #                 tool returns at most 8 from $OUT, so point OUT elsewhere and pack what you need.
+#   ncu-export    per-instruction (SASS) and raw CSVs of stored reports $NCU_REPORTS (space-separated paths; pass
+#                 git-ignored ones such as prof/*.ncu-rep through the device tool's `carry`): there is no ncu on
+#                 the CPU machines; read the CSVs there with benchmarks.ncu_summary
+# DSV41_COMMIT: give the commit as a literal; on the device machine `git rev-parse` answers the session's base commit.
 # Logs, JSON, the roofline PNG and benchmark rows for benchmarks/RESULTS.md go to $OUT (default gpu_out/).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +90,12 @@ for s in "${stages[@]}"; do
         ncu -i "$OUT/ncu_$c.ncu-rep" --page details > "$OUT/ncu_${c}_details.txt" 2>&1
         ncu -i "$OUT/ncu_$c.ncu-rep" --page source --csv --print-source sass,cuda > "$OUT/ncu_${c}_source.csv" 2>&1
         grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Issued|Eligible|Registers|Bank" "$OUT/ncu_${c}_details.txt" | head -60
+      done ;;
+    ncu-export)
+      for r in ${NCU_REPORTS:-}; do
+        b="$(basename "$r" .ncu-rep)"
+        run ncu -i "$r" --page source --csv --print-source sass > "$OUT/${b}_sass.csv"
+        run ncu -i "$r" --page raw --csv > "$OUT/${b}_raw.csv"
       done ;;
     *) echo "unknown stage $s"; status=2 ;;
   esac

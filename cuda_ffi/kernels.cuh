@@ -8,21 +8,23 @@
 //   warps 0..7  consumers: sm_90a wgmma (consume_tile_wgmma), sm_100a mma.sync (consume_tile_mma_sync)
 //   warps 8..11 producers (gather the selected KV rows of each 64-token tile, all 64 or, in a
 //               2-CTA pair, 32 of them; dequantize fp8 -> f16)
-// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (split
-// consumers, prefill's default: 192 and 120; params.h).
+// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (a decode
+// pair: 200 and 104; split consumers, prefill's default: 192 and 120; params.h).
 // Consumers, two shapes (Crew::split): symmetric (below: decode's default, and the sm_100a build's
 // mma.sync path) or FlashMLA's split (consume_tile_split: warpgroup 0 S + softmax + O[:, :256],
 // warpgroup 1 O[:, 256:]; prefill's default on sm_90a).
 // Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
 // f16's range, magnitudes below 2^-17 round on its subnormal grid, beyond +-65504 they saturate).
-// Shared memory (params.h, 214880 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
+// Shared memory (params.h, 231264 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
 // [2 buffers][64 tokens][512], P f16 [2 buffers][64 heads][64 tokens], small f32 exchange arrays,
-// per buffer a validity mask (8 words of 8 bits), the pair's mbarriers.
+// per buffer a validity mask (8 words of 8 bits), the pair's mbarriers, a pair's 16 KB of partial
+// scores (sym_qk_ksplit).
 // Q and K/V use the 128-byte-swizzle layout wgmma reads (8 column blocks of [64 rows][128 B], chunk c
 // of row r at c ^ (r & 7)); the same XOR keeps every ldmatrix of the mma.sync path conflict-free.
 //
 // Per tile (64 tokens), consumer warp w (warpgroup th = w >> 2 owns tokens 32th..32th+31 for Q K^T):
-//   S = Q K^T for rows 16 (w & 3) + g (+8), its 32 tokens; masked, scaled to the log2 domain.
+//   S = Q K^T for rows 16 (w & 3) + g (+8), its 32 tokens (a pair: partial sums of all 64 tokens over
+//   dims 256th.., the other half's partials exchanged; sym_qk_ksplit); masked, scaled to the log2 domain.
 //   row max of the two token halves exchanged through smem (barrier B1); the base M moves lazily (only
 //   when the tile maximum exceeds it by more than kLazyLog2), alpha = 2^(M_old - M) when it moves and
 //   1 otherwise, P = 2^(S - M) (0 for an empty row: base 0), partial row sums l; P as f16 to smem
