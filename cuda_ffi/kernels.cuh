@@ -8,8 +8,8 @@
 //   warps 0..7  consumers: sm_90a wgmma (consume_tile_wgmma), sm_100a mma.sync (consume_tile_mma_sync)
 //   warps 8..11 producers (gather the selected KV rows of each 64-token tile, all 64 or, in a
 //               2-CTA pair, 32 of them; dequantize fp8 -> f16)
-// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (a decode
-// pair: 200 and 104; split consumers, prefill's default: 192 and 120; params.h).
+// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (a pair with
+// symmetric consumers, decode's: 200 and 104; split consumers, prefill's default: 192 and 120; params.h).
 // Consumers, two shapes (Crew::split): symmetric (below: decode's default, and the sm_100a build's
 // mma.sync path) or FlashMLA's split (consume_tile_split: warpgroup 0 S + softmax + O[:, :256],
 // warpgroup 1 O[:, 256:]; prefill's default on sm_90a).
@@ -484,6 +484,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
 template <int NB, class C, int NV>
 DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
                      const Share& sh, int lane, BatchT<NV>& first) {
+  static_assert(NV == 16 || NB == 1, "half-row batches serve one batch per warp and tile (pairs)");
   const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
   if (NV < 16 && !fp8) {  // bf16 rows in halves (warp-uniform)
     store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first, 0, false);
@@ -521,7 +522,9 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   // of tile tc - 1's batch are free: its latency overlaps the PFULL wait, the next tile's index and
   // address work and the wait for the buffer (decode 578 -> 534 us). One CTA (two batches per warp,
   // prefill's bf16 rows) loads it just before the wait for the buffer: held across the iteration,
-  // the 16 bf16 chunks cost prefill 5.9 -> 7.2 ms (RESULTS.md, "cuda producer lanes").
+  // the 16 bf16 chunks cost prefill 5.9 -> 7.2 ms (RESULTS.md, "cuda producer lanes"). A pair holds
+  // half a bf16 row (BatchT<9>): the second half is loaded inside fill_tile, its latency exposed (the
+  // fp8 rows, the decode's case, fit one batch).
   constexpr bool kEarly = pair;
   BatchT<pair ? 9 : 16> first;
   if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
@@ -809,13 +812,6 @@ DEVFN void pk_fence(uint32_t (&pk)[8][2]) {
   for (int j = 0; j < 8; ++j) asm volatile("" : "+r"(pk[j][0]), "+r"(pk[j][1])::"memory");
 #endif
 }
-template <bool kBf16 = false>
-DEVFN void pv_wgmma_regp(Acc& acc, uint32_t (&pk)[8][2], uint64_t vd) {
-  pv_regp_issue<kBf16>(acc, pk, vd);
-  wgmma_wait<0>();
-  pk_fence(pk);
-  reg_fence<128>(&acc.o[0][0]);
-}
 
 // sm_90a: warpgroup MMAs. Warpgroup th = w >> 2 computes S for tokens 32th..32th+31 of all 64
 // heads (m64n32k16 x 32 k-steps over the 512 dims, Q and K from shared memory), and then O for
@@ -853,7 +849,7 @@ DEVFN void sym_softmax_pv(char* smem, int buf, float (&s)[4][4], Acc& acc, float
 // (the thread with the same rows and columns there) and adds the partials it receives for its own
 // 32 tokens, ending in the fragment layout of the m64n32 scores (s[j] = tokens 32th + 8j + ...).
 // Shared-memory operand bytes per tile: 128 KB instead of 192 KB (the m64n32 S was bound by them), plus
-// 32 KB of exchange; needs 200 consumer registers (params.h kPairConsumerRegs). Decode -1% (eighth
+// 32 KB of exchange traffic (a 16 KB region); needs 200 consumer registers (params.h kPairConsumerRegs). Decode -1% (eighth
 // session). The exchange region is reused per tile: a warpgroup writes it again only after B1 of this
 // tile, which the other one reaches after its reads.
 template <bool kBf16>
@@ -1001,7 +997,7 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
 // computes S for the whole tile (m64n64k16: no row-max exchange, two thirds of the operand bytes of
 // two m64n32 halves), the softmax, P into shared memory with the per-row alpha (for warpgroup 1),
-// and O[:, 0:256] with its own P as the wgmma's register operand (pv_wgmma_regp); warpgroup 1 only
+// and O[:, 0:256] with its own P as the wgmma's register operand (pv_regp_issue); warpgroup 1 only
 // rescales and adds P V into O[:, 256:512], so its PV of tile n runs while warpgroup 0 computes S of
 // tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
 // adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);

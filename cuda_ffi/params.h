@@ -20,9 +20,9 @@ constexpr int kLaunchRegs = (65536 / kThreads) & ~7;  // 168
 static_assert(kLaunchRegs == 168, "the register budgets below assume 384 threads");
 constexpr int kProducerRegs = 128;       // symmetric consumers, one CTA: 128 + 2 x 184 = 496
 constexpr int kConsumerRegs = 184;
-// A decode pair's producers hold one fp8 token quarter or half a bf16 row (kernels.cuh BatchT<9>) and fit
-// 104 registers; its consumers' m64n64 partial scores (sym_qk_ksplit) need the 200. (A 12-byte spill in
-// the producers made the decode 20% slower: RESULTS.md, eighth session.)
+// A pair's producers (symmetric consumers: decode's) hold one fp8 token quarter or half a bf16 row
+// (kernels.cuh BatchT<9>) and fit 104 registers; its consumers' m64n64 partial scores (sym_qk_ksplit) need
+// the 200. (A 12-byte spill in the producers made the decode 20% slower: RESULTS.md, eighth session.)
 constexpr int kPairProducerRegs = 104;  // 104 + 2 x 200 = 504
 constexpr int kPairConsumerRegs = 200;
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
