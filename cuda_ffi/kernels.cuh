@@ -740,8 +740,11 @@ DEVFN void store_p(char* smem, int buf, const uint32_t (&pk)[J][2], int chunk0, 
     for (int hr = 0; hr < 2; ++hr) *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, chunk0 + j) + 4 * t) = pk[j][hr];
 }
 
-template <int N, bool kBf16 = false>
-DEVFN void qk_issue(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
+// S = Q K^T over kSteps x 16 dims (all 512 by default) as the fragment of wgmma m64nNk16 (N = 32
+// or 64 tokens), Q and K from shared memory through the descriptors of their first 16 dims; returns
+// with the products in s.
+template <int N, bool kBf16 = false, int kSteps = kHeadDim / 16>
+DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -750,7 +753,7 @@ DEVFN void qk_issue(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA  // experiment: no tensor-core work, everything else unchanged
 #pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+  for (int ks = 0; ks < kSteps; ++ks) {
     const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
     if constexpr (N == 32)
       wgmma_m64n32k16<kBf16>(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
@@ -759,22 +762,14 @@ DEVFN void qk_issue(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
   }
 #endif
   wgmma_commit();
-}
-// S = Q K^T over the 512 dims as the fragment of wgmma m64nNk16 (N = 32 or 64 tokens; 32 k-steps),
-// Q and K from shared memory through the descriptors of their first 16 dims; returns with the
-// products in s. (qk_issue alone: one commit group, in flight until a wgmma_wait.)
-template <int N, bool kBf16 = false>
-DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
-  qk_issue<N, kBf16>(s, qd, kd);
   wgmma_wait<0>();
   reg_fence<N / 2>(&s[0][0]);
 }
 
 // O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
-// memory through descriptors pd / vd); O already rescaled. pv_issue leaves one commit group in
-// flight; pv_wgmma returns with O updated.
+// memory through descriptors pd / vd); O already rescaled; returns with O updated.
 template <bool kBf16 = false>
-DEVFN void pv_issue(Acc& acc, uint64_t pd, uint64_t vd) {
+DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -783,18 +778,13 @@ DEVFN void pv_issue(Acc& acc, uint64_t pd, uint64_t vd) {
     wgmma_m64n256k16_tb<kBf16>(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
 #endif
   wgmma_commit();
-}
-template <bool kBf16 = false>
-DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
-  pv_issue<kBf16>(acc, pd, vd);
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
 }
 // The same with P from registers (pk: pack_p's words of all 64 tokens of the thread's rows; split
-// consumers' warpgroup 0): no shared-memory round trip, no barrier before it. While the group is in
-// flight pk must stay untouched (pk_fence after the wait keeps its registers from being reused).
+// consumers' warpgroup 0): no shared-memory round trip, no barrier before it.
 template <bool kBf16 = false>
-DEVFN void pv_regp_issue(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
+DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -805,53 +795,20 @@ DEVFN void pv_regp_issue(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
   }
 #endif
   wgmma_commit();
-}
-DEVFN void pk_fence(uint32_t (&pk)[8][2]) {
-#if DSV41_DEVICE
-#pragma unroll
-  for (int j = 0; j < 8; ++j) asm volatile("" : "+r"(pk[j][0]), "+r"(pk[j][1])::"memory");
-#endif
+  wgmma_wait<0>();
+  reg_fence<128>(&acc.o[0][0]);
 }
 
-// sm_90a: warpgroup MMAs. Warpgroup th = w >> 2 computes S for tokens 32th..32th+31 of all 64
-// heads (m64n32k16 x 32 k-steps over the 512 dims, Q and K from shared memory), and then O for
-// dims 256th..256th+255 of all 64 heads (m64n256k16 x 4 token steps, P and V from shared memory:
-// V is the K tile read MN-major). The thread that owns a score row also owns that row of O, so
-// the rescale needs no exchange.
-template <bool kBf16>
-DEVFN void sym_qk_issue(char* smem, int buf, float (&s)[4][4], int w) {
-  // (Taking th through a lane-0 shuffle, to make it uniform, cost the pair kernel 8 bytes of spills.)
-  const uint32_t th = (uint32_t)(w >> 2);
-  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
-  qk_issue<32, kBf16>(s, wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024), wgmma_desc(ka + 32u * 128u * th, 16, 1024));
-}
-// From S (waited on) to the PV of the tile issued (one commit group left in flight).
-template <bool kBf16>
-DEVFN void sym_softmax_pv(char* smem, int buf, float (&s)[4][4], Acc& acc, float scale_log2, int w, int lane) {
-  const uint32_t th = (uint32_t)(w >> 2);
-  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
-  float alpha[2];
-  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
-  uint32_t pk[4][2];
-  pack_p<4, kBf16>(s, pk);
-  store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
-  fence_proxy_async();
-  bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
-
-  rescale_o(acc, alpha);
-  pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
-                  wgmma_desc(ka + 4u * 8192u * th, 8192, 1024));
-}
 // A pair's symmetric consumers (Crew::ksplit; off under DSV41_EXP_NO_QK_KSPLIT): S split over the
 // dims instead of the tokens. Warpgroup th computes partial scores of all 64 tokens over dims
 // 256th..256th+255 (m64n64k16 x 16: Q read once per tile instead of once per warpgroup, half the
 // wgmma issues), sends the other token half's partials to the warpgroup that owns those tokens
 // (the thread with the same rows and columns there) and adds the partials it receives for its own
 // 32 tokens, ending in the fragment layout of the m64n32 scores (s[j] = tokens 32th + 8j + ...).
-// Shared-memory operand bytes per tile: 128 KB instead of 192 KB (the m64n32 S was bound by them), plus
-// 32 KB of exchange traffic (a 16 KB region); needs 200 consumer registers (params.h kPairConsumerRegs). Decode -1% (eighth
-// session). The exchange region is reused per tile: a warpgroup writes it again only after B1 of this
-// tile, which the other one reaches after its reads.
+// Shared-memory operand bytes per tile: 128 KB instead of 192 KB (the m64n32 S was bound by them),
+// plus 32 KB of exchange traffic (a 16 KB region); needs 200 consumer registers (params.h
+// kPairConsumerRegs). Decode -1.6% (eighth session). The exchange region is reused per tile: a
+// warpgroup writes it again only after B1 of this tile, which the other one reaches after its reads.
 template <bool kBf16>
 DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane) {
   const uint32_t th = (uint32_t)(w >> 2);
@@ -860,22 +817,7 @@ DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane)
   const uint64_t qd = opaque_u64(wgmma_desc(smem_addr(smem + kSmemQ) + th * 4u * 8192u, 16, 1024));
   const uint64_t kd = opaque_u64(wgmma_desc(ka, 16, 1024));
   float p[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
-  reg_fence<32>(&p[0][0]);
-  wgmma_fence();
-#ifndef DSV41_EXP_NO_MMA
-#pragma unroll
-  for (int ks = 0; ks < kHeadDim / 32; ++ks) {
-    const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
-    wgmma_m64n64k16<kBf16>(&p[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
-  }
-#endif
-  wgmma_commit();
-  wgmma_wait<0>();
-  reg_fence<32>(&p[0][0]);
+  qk_wgmma<64, kBf16, kHeadDim / 32>(p, qd, kd);
   const int tid = 32 * (w & 3) + lane;
   float4* xo = reinterpret_cast<float4*>(smem + kSmemXS + (int)th * 8192) + tid;
   const float4* xi = reinterpret_cast<const float4*>(smem + kSmemXS + (1 - (int)th) * 8192) + tid;
@@ -894,19 +836,37 @@ DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane)
   }
 }
 
+// sm_90a: warpgroup MMAs. Warpgroup th = w >> 2 computes S for tokens 32th..32th+31 of all 64
+// heads (m64n32k16 x 32 k-steps over the 512 dims, Q and K from shared memory), and then O for
+// dims 256th..256th+255 of all 64 heads (m64n256k16 x 4 token steps, P and V from shared memory:
+// V is the K tile read MN-major). The thread that owns a score row also owns that row of O, so
+// the rescale needs no exchange.
 template <bool kBf16, bool kKSplit>
 DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
+  // Operand descriptors built once per tile; each wgmma adds a constant offset (wgmma_desc_add).
+  // (Taking th through a lane-0 shuffle, to make it uniform, cost the pair kernel 8 bytes of spills.)
+  const uint32_t th = (uint32_t)(w >> 2);
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
+  const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
+  const uint64_t kd = wgmma_desc(ka + 32u * 128u * th, 16, 1024);
+  const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
+  const uint64_t vd = wgmma_desc(ka + 4u * 8192u * th, 8192, 1024);
   float s[4][4];
-  if constexpr (kKSplit) {
+  if constexpr (kKSplit)
     sym_qk_ksplit<kBf16>(smem, buf, s, w, lane);
-  } else {
-    sym_qk_issue<kBf16>(smem, buf, s, w);
-    wgmma_wait<0>();
-    reg_fence<16>(&s[0][0]);
-  }
-  sym_softmax_pv<kBf16>(smem, buf, s, acc, scale_log2, w, lane);
-  wgmma_wait<0>();
-  reg_fence<128>(&acc.o[0][0]);
+  else
+    qk_wgmma<32, kBf16>(s, qd, kd);
+
+  float alpha[2];
+  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
+  uint32_t pk[4][2];
+  pack_p<4, kBf16>(s, pk);
+  store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
+  fence_proxy_async();
+  bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
+
+  rescale_o(acc, alpha);
+  pv_wgmma<kBf16>(acc, pd, vd);
   // The tile's operands have been read: the caller releases the buffer (release_tile).
 }
 
@@ -997,74 +957,58 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
 // computes S for the whole tile (m64n64k16: no row-max exchange, two thirds of the operand bytes of
 // two m64n32 halves), the softmax, P into shared memory with the per-row alpha (for warpgroup 1),
-// and O[:, 0:256] with its own P as the wgmma's register operand (pv_regp_issue); warpgroup 1 only
+// and O[:, 0:256] with its own P as the wgmma's register operand (pv_wgmma_regp); warpgroup 1 only
 // rescales and adds P V into O[:, 256:512], so its PV of tile n runs while warpgroup 0 computes S of
 // tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
 // adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's
 // default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_flipped_consumer_shapes).
-// Warpgroup 0 of the split, from S of tile tc (waited on) to its PV issued (one commit group left in
-// flight, its own P from registers, pk): mask, softmax, P and alpha to shared memory for warpgroup 1.
-template <bool kBf16>
-DEVFN void split_softmax_pv(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc, float scale_log2,
-                            int w, int lane) {
-  const int buf = tc & 1, g = lane >> 2, t = lane & 3;
-  const int r0 = 16 * (w & 3) + g;
-  float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;  // [2][64]: no row-max exchange here
-  float alpha[2] = {1.f, 1.f};
-  // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
-  const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
-  const float ninf = -finf();
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t bits = vw[j] >> (2 * t);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
-  }
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
-    exp_row(s, hr, base, alpha[hr], acc);
-  }
-  pack_p<8, kBf16>(s, pk);
-  store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
-  if (t == 0) {
-    alpha_b[r0] = alpha[0];
-    alpha_b[r0 + 8] = alpha[1];
-  }
-  fence_proxy_async();
-  bar_arrive(kBarPReady0 + buf, kConsumerThreads);
-  rescale_o(acc, alpha);
-  pv_regp_issue<kBf16>(acc, pk, wgmma_desc(smem_addr(smem + kSmemK + buf * kTileBytes), 8192, 1024));
-}
-DEVFN uint64_t split_kd(char* smem, int tc) {
-  return wgmma_desc(smem_addr(smem + kSmemK + (tc & 1) * kTileBytes), 16, 1024);
-}
-// Warpgroup 1 of the split: rescale by warpgroup 0's alpha, O[:, 256:] += P V (P from shared memory).
-template <bool kBf16>
-DEVFN void split_wg1_tile(char* smem, int tc, Acc& acc, int lane, int w) {
-  const int buf = tc & 1, r0 = 16 * (w & 3) + (lane >> 2);
-  const float* alpha_b = reinterpret_cast<const float*>(smem + kSmemRowMax) + 64 * buf;
-  bar_sync(kBarPReady0 + buf, kConsumerThreads);
-  const float alpha[2] = {alpha_b[r0], alpha_b[r0 + 8]};
-  rescale_o(acc, alpha);
-  pv_wgmma<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
-                  wgmma_desc(smem_addr(smem + kSmemK + buf * kTileBytes) + 4u * 8192u, 8192, 1024));
-}
 template <bool kBf16>
 DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
-  if (w < 4) {
+  const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
+  const int r0 = 16 * (w & 3) + g;
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
+  float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;  // [2][64]: no row-max exchange here
+  float alpha[2] = {1.f, 1.f};
+  if (th == 0) {
+    const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
+    const uint64_t kd = wgmma_desc(ka, 16, 1024);
     float s[8][4];
+    qk_wgmma<64, kBf16>(s, qd, kd);
+    // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
+    const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
+    const float ninf = -finf();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t bits = vw[j] >> (2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
+      exp_row(s, hr, base, alpha[hr], acc);
+    }
     uint32_t pk[8][2];
-    qk_wgmma<64, kBf16>(s, wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024), split_kd(smem, tc));
-    split_softmax_pv<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
-    wgmma_wait<0>();
-    pk_fence(pk);
-    reg_fence<128>(&acc.o[0][0]);
+    pack_p<8, kBf16>(s, pk);
+    store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
+    if (t == 0) {
+      alpha_b[r0] = alpha[0];
+      alpha_b[r0 + 8] = alpha[1];
+    }
+    fence_proxy_async();
+    bar_arrive(kBarPReady0 + buf, kConsumerThreads);
+    rescale_o(acc, alpha);
+    pv_wgmma_regp<kBf16>(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
     return;
   }
-  split_wg1_tile<kBf16>(smem, tc, acc, lane, w);
+  bar_sync(kBarPReady0 + buf, kConsumerThreads);
+  alpha[0] = alpha_b[r0];
+  alpha[1] = alpha_b[r0 + 8];
+  rescale_o(acc, alpha);
+  pv_wgmma<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
+           wgmma_desc(ka + 4u * 8192u, 8192, 1024));
 }
 #endif
 
