@@ -7,6 +7,11 @@
 #   env           GPU, driver, jax / flax versions
 #   build         python -m cuda_ffi.build (sm_90a; SM100 is compiled on CPU CI, never run here)
 #   cuda-tests    tests/gpu/test_cuda_gpu.py       pallas-tests  tests/gpu/test_pallas_gpu.py
+#   pallas-ablation  pallas_kernels.bench on the two target cases with timing-only variants that leave a
+#                 stage out ($PALLAS_VARIANTS, default "default,no_copy,no_compute,no_dequant,bf16_p";
+#                 $ABL_CASES decode,prefill); not recorded (experiments)
+#   pallas-ncu    Nsight Compute over one pallas kernel call per case ($NCU_CASES): report, details page,
+#                 per-instruction SASS page
 #   model-tests   tests/test_model.py with impl=auto on the GPU
 #   bench         python -m benchmarks.sparse_mla --quick (every available impl)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
@@ -57,6 +62,18 @@ for s in "${stages[@]}"; do
       $PY -c "import flax; print('flax', flax.__version__)" 2>&1 | tail -1 ;;
     build) run $PY -m cuda_ffi.build --archs 90a 2>&1 | tail -3 ;;
     cuda-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_gpu.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -30 ;;
+    pallas-ablation) run timeout 500 $PY -m pallas_kernels.bench --iters 5 --variants "${PALLAS_VARIANTS:-default,no_copy,no_compute,no_dequant,bf16_p}" \
+        --cases "${ABL_CASES:-decode,prefill}" 2>&1 | tee "$OUT/pallas_ablation.log" | grep -v "^  (CUPTI" ;;
+    pallas-ncu)
+      for c in $(echo "${NCU_CASES:-decode_headline_h128}" | tr , ' '); do
+        run timeout 400 ncu --clock-control none --set full -k regex:"sparse_mla_kernel" \
+          --launch-skip 1 --launch-count 1 -f -o "$OUT/pncu_$c" $PY -m benchmarks.sparse_mla --cases "$c" --impls pallas \
+          --sets 1 --iterations 2 --timer wall --out "$OUT/pncu_bench_$c" > "$OUT/pncu_$c.log" 2>&1
+        tail -3 "$OUT/pncu_$c.log"
+        ncu -i "$OUT/pncu_$c.ncu-rep" --page details > "$OUT/pncu_${c}_details.txt" 2>&1
+        ncu -i "$OUT/pncu_$c.ncu-rep" --page source --csv --print-source sass > "$OUT/pncu_${c}_sass.csv" 2>&1
+        grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Issued|Eligible|Registers|Bank|Shared Memory" "$OUT/pncu_${c}_details.txt" | head -60
+      done ;;
     pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
     model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
     bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;

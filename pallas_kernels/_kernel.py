@@ -61,8 +61,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import _gather
 
-__all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "FP8_COPY_BYTES", "smem_bytes"]
+
+__all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "smem_bytes"]
 
 T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
 HB = 64  # heads per program (the wgmma M)
@@ -70,7 +72,6 @@ D = 512
 HALF = 256
 NOPE = 448
 FP8_RECORD = 576
-FP8_COPY_BYTES = 640  # bulk copies are multiples of 128 B (one arrive per thread of the warpgroup)
 FP8_PITCH = 656  # staging row pitch: 164 words, rows 4 banks apart -> conflict-free wgmma-layout loads
 BF16_PITCH = 520  # bf16 elements; 1040 B = 260 words, likewise
 LOG2E = math.log2(math.e)
@@ -103,6 +104,9 @@ class KernelSpec:
     interpret: bool  # trace the interpreter-compatible formulation
     qk_exchange: bool = True  # split Q K^T by dims across the two compute warpgroups (else both do all)
     p_split: bool = True  # P V as (P_hi + P_lo) V; False only for timing experiments (misses tolerances)
+    # Timing experiments only (wrong results): "no_copy" (the memory warpgroup arrives without copying
+    # tokens), "no_compute" (compute warpgroups only wait and release), "no_dequant" (K tile not rewritten).
+    ablate: str = ""
 
     @property
     def head_groups(self) -> int:
@@ -120,14 +124,27 @@ class KernelSpec:
     def has_bf16(self) -> bool:
         return any(p.fmt == "bf16" for p in self.pools)
 
+    @property
+    def direct(self) -> bool:
+        """bf16 pools only: tokens are copied straight into the (double-buffered) swizzled K tile."""
+        return not self.has_fp8
+
+    @property
+    def nbuf(self) -> int:
+        """Buffers of the gather ring: K tiles in direct mode, the raw staging buffer otherwise."""
+        return 2 if self.direct else 1
+
 
 def smem_bytes(spec: KernelSpec) -> int:
     """Dynamic SMEM the kernel asks for, with 1 KiB alignment per buffer (what Mosaic GPU pads to)."""
     def al(n):
         return -(-n // 1024) * 1024
 
-    stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
-    total = 2 * al(HB * D * 2) + al(stage) + al(T * 4) + 3072  # Q, K, staging, indices, barriers, slack
+    nb = spec.nbuf
+    total = al(HB * D * 2) + nb * al(T * D * 2) + al(nb * T * 4) + 3072  # Q, K, indices, barriers, slack
+    if not spec.direct:
+        stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
+        total += al(stage)
     if spec.has_fp8:
         total += al(T * 16) + al(128 * 64 * 2)  # scale bytes, RoPE combiner
     if spec.has_sink:
@@ -152,6 +169,10 @@ def build_kernel(spec: KernelSpec):
     npools = len(spec.pools)
     c2 = spec.softmax_scale * LOG2E
     has_fp8, has_bf16, has_sink = spec.has_fp8, spec.has_bf16, spec.has_sink
+    if spec.ablate not in ("", "no_copy", "no_compute", "no_dequant"):
+        raise ValueError(f"ablate must be '', 'no_copy', 'no_compute' or 'no_dequant', got {spec.ablate!r}")
+    if spec.ablate == "no_compute" and not spec.qk_exchange:
+        raise ValueError("ablate='no_compute' needs qk_exchange=True (the k_free barrier would never complete)")
     if smem_bytes(spec) > _SMEM_LIMIT:
         raise ValueError(f"kernel needs {smem_bytes(spec)} B of SMEM (> {_SMEM_LIMIT}); try qk_exchange=False")
 
@@ -171,10 +192,13 @@ def build_kernel(spec: KernelSpec):
         rest = list(it)
         assert not rest, rest
         (q_smem, k_smem, stage, scale_smem, idx_smem, w_smem, sink_smem,
-         q_bar, idx_full, stage_full, stage_free, k_ready, k_free, x_smem, x_a, x_b,
-         a_smem, u_smem) = scratch
+         q_bar, full, free, k_ready, k_free, x_smem, x_a, x_b,
+         a_smem, u_smem, ibar_idx, ibar) = scratch
         exchange = spec.qk_exchange
-        if has_fp8 and has_bf16:
+        direct, NB = spec.direct, spec.nbuf
+        if direct:
+            stage_u8 = stage_bf = None
+        elif has_fp8 and has_bf16:
             stage_u8, stage_bf = stage
         elif has_fp8:
             stage_u8, stage_bf = stage, None
@@ -204,7 +228,47 @@ def build_kernel(spec: KernelSpec):
 
         wg = lax.axis_index("wg")
 
+        def buf(n):
+            return n % NB if NB > 1 else 0
+
         # ------------------------------------------------------------------ memory warpgroup
+        def fill_interpret(j, b, cache, src, scales, fp8):
+            """Pallas-level copies of block j into buffer b (the interpreter cannot run `_gather`)."""
+            plgpu.copy_gmem_to_smem(src.at[row, pl.ds(j * T, T)], idx_smem.at[b], ibar_idx)
+            plgpu.barrier_wait(ibar_idx)
+            if fp8:
+                plgpu.copy_gmem_to_smem(scales.at[row, pl.ds(j * T, T)], scale_smem, ibar)
+            elif not direct:
+                plgpu.barrier_arrive(ibar)  # staged barriers count T + 1 arrivals
+
+            @pl.loop(0, T)
+            def _tok(i):
+                off = idx_smem[b, i]
+
+                @pl.when(off >= 0)
+                def _copy():
+                    if fp8:
+                        plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, FP8_RECORD)],
+                                                stage_u8.at[i, pl.ds(0, FP8_RECORD)], ibar)
+                    elif direct:
+                        for h in range(2):
+                            plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, 1), pl.ds(h * HALF, HALF)],
+                                                    k_smem.at[b, h, pl.ds(i, 1)], ibar)
+                    else:
+                        plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, 1)], stage_bf.at[pl.ds(i, 1), pl.ds(0, D)],
+                                                ibar)
+
+                @pl.when(off < 0)
+                def _skip():
+                    if direct:  # a masked row of the K tile must be 0 (it feeds the wgmmas unselected)
+                        for h in range(2):
+                            k_smem.at[b, h, pl.ds(i, 1)][...] = jnp.zeros((1, HALF), jnp.bfloat16)
+                            plgpu.barrier_arrive(ibar)
+                    else:
+                        plgpu.barrier_arrive(ibar)
+
+            plgpu.barrier_wait(ibar)
+
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
@@ -213,55 +277,59 @@ def build_kernel(spec: KernelSpec):
             if has_sink:
                 plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(h0, HB)], sink_smem, q_bar)
 
+            def publish(b):
+                # This thread's copies have landed (cp.async.wait_group / the interpreter's barrier);
+                # fence them for the wgmma (async proxy) and release the block to the compute warpgroups.
+                if not spec.interpret:
+                    _gather.wait_groups(0)()
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(full.at[b])
+
             n = jnp.int32(0)
             for p, pspec in enumerate(spec.pools):
                 cache, src, scales = pool_refs[p]
                 fp8 = pspec.fmt == "fp8_ds_mla"
+                kind = "fp8_stage" if fp8 else ("bf16_tile" if direct else "bf16_stage")
 
-                def blk(j, n, cache=cache, src=src, scales=scales, fp8=fp8):
-                    @pl.when(n > 0)
+                def blk(j, n, cache=cache, src=src, scales=scales, fp8=fp8, kind=kind):
+                    b = buf(n)
+                    if NB == 2:
+                        # Publish the previous block (issued one iteration ago) before waiting for this
+                        # buffer's release, so the compute warpgroups never wait on this issue.
+                        @pl.when(n >= 1)
+                        def _():
+                            publish(buf(n + 1))
+
+                    @pl.when(n >= NB)
                     def _():
-                        plgpu.barrier_wait(stage_free)
-                        # The compute warpgroups read the staging buffers with generic loads; order
-                        # those reads before the async-proxy (TMA) writes that refill them.
+                        plgpu.barrier_wait(free.at[b])
+                        # The compute warpgroups read the buffers with generic loads and wgmmas; order
+                        # those reads before the copies that refill them.
                         plgpu.commit_smem()
 
-                    plgpu.copy_gmem_to_smem(src.at[row, pl.ds(j * T, T)], idx_smem, idx_full,
-                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                    if fp8:
-                        plgpu.copy_gmem_to_smem(scales.at[row, pl.ds(j * T, T)], scale_smem, stage_full)
-                    else:
-                        plgpu.barrier_arrive(stage_full)
-                    plgpu.barrier_wait(idx_full)
-
-                    @pl.loop(0, T)
-                    def _tok(i):
-                        off = idx_smem[i]
-
-                        @pl.when(off >= 0)
-                        def _copy():
-                            if fp8:
-                                plgpu.copy_gmem_to_smem(
-                                    cache.at[pl.ds(off, FP8_COPY_BYTES)],
-                                    stage_u8.at[i, pl.ds(0, FP8_COPY_BYTES)], stage_full,
-                                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-                            else:
-                                plgpu.copy_gmem_to_smem(
-                                    cache.at[pl.ds(off, 1)], stage_bf.at[pl.ds(i, 1), pl.ds(0, D)], stage_full,
-                                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-
-                        @pl.when(off < 0)
-                        def _skip():
-                            plgpu.barrier_arrive(stage_full)
-
+                    if spec.interpret:
+                        fill_interpret(j, b, cache, src, scales, fp8)
+                    elif spec.ablate != "no_copy":
+                        dst = k_smem.at[b] if direct else (stage_u8 if fp8 else stage_bf)
+                        extra = (scales.at[row, pl.ds(j * T, T)], scale_smem) if fp8 else ()
+                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2)(
+                            cache, src.at[row, pl.ds(j * T, T)], dst, idx_smem.at[b], *extra)
+                    if NB == 1:
+                        publish(b)
                     return n + 1
 
                 n = lax.fori_loop(ranges[p][0], ranges[p][1], blk, n)
 
-            # Observe the last phase too (every phase of a barrier must be awaited by its waiters).
-            @pl.when(n > 0)
-            def _():
-                plgpu.barrier_wait(stage_free)
+            if NB == 2:
+                @pl.when(n >= 1)
+                def _():
+                    publish(buf(n + 1))
+
+            # Observe the last phases too (every phase of a barrier must be awaited by its waiters).
+            for k in range(NB):
+                @pl.when(n - NB + k >= 0)
+                def _():
+                    plgpu.barrier_wait(free.at[buf(n - NB + k)])
 
         # ----------------------------------------------------------------- compute warpgroups
         def compute(w: int):
@@ -281,27 +349,34 @@ def build_kernel(spec: KernelSpec):
 
                 def blk(j, carry, fp8=fp8):
                     n, o, m, l = carry
-                    plgpu.barrier_wait(idx_full)
-                    plgpu.barrier_wait(stage_full)
+                    b = buf(n)
+                    plgpu.barrier_wait(full.at[b])
+                    kb = k_smem.at[b] if direct else k_smem.at[0]
 
-                    if not exchange:
+                    if not exchange and not direct:
                         @pl.when(n > 0)
                         def _():
                             plgpu.barrier_wait(k_free)
 
-                    idx_row = plgpu.load(idx_smem, layout=_ROW)
-                    idx_col = plgpu.load(idx_smem, layout=_COL)
-                    vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0])
-                    if fp8:
-                        _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem)
-                    else:
-                        _copy_bf16(w, stage_bf, k_smem, vrow)
-                    plgpu.barrier_arrive(stage_free)
-                    plgpu.commit_smem()
+                    if spec.ablate == "no_compute":
+                        plgpu.barrier_arrive(free.at[b])
+                        return n + 1, o, m, l
+                    idx_row = plgpu.load(idx_smem.at[b], layout=_ROW)
+                    idx_col = plgpu.load(idx_smem.at[b], layout=_COL)
+                    if not direct:
+                        vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0])
+                        if spec.ablate == "no_dequant":
+                            pass
+                        elif fp8:
+                            _dequant_fp8(w, stage_u8, scale_smem, w_smem, kb, vrow, u_smem)
+                        else:
+                            _copy_bf16(w, stage_bf, kb, vrow)
+                        plgpu.barrier_arrive(free.at[b])
+                        plgpu.commit_smem()
                     if exchange:
                         # Each warpgroup contracts its own 256 dims; the two partial scores meet in SMEM.
                         def qk(acc):
-                            plgpu.wgmma(acc, q_smem.at[w], k_smem.at[w].transpose((1, 0)))
+                            plgpu.wgmma(acc, q_smem.at[w], kb.at[w].transpose((1, 0)))
                             return acc[...]
 
                         s_own = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
@@ -318,12 +393,13 @@ def build_kernel(spec: KernelSpec):
                             plgpu.barrier_arrive(x_b)
                             s = s_peer + s_own  # S_0 + S_1 in both warpgroups: identical scores
                     else:
-                        plgpu.barrier_arrive(k_ready)
-                        plgpu.barrier_wait(k_ready)
+                        if not direct:  # both halves of the K tile written
+                            plgpu.barrier_arrive(k_ready)
+                            plgpu.barrier_wait(k_ready)
 
                         def qk(acc):
-                            plgpu.wgmma(acc, q_smem.at[0], k_smem.at[0].transpose((1, 0)))
-                            plgpu.wgmma(acc, q_smem.at[1], k_smem.at[1].transpose((1, 0)))
+                            plgpu.wgmma(acc, q_smem.at[0], kb.at[0].transpose((1, 0)))
+                            plgpu.wgmma(acc, q_smem.at[1], kb.at[1].transpose((1, 0)))
                             return acc[...]
 
                         s = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
@@ -350,28 +426,30 @@ def build_kernel(spec: KernelSpec):
                         plgpu.commit_smem()
 
                         def pv(acc):
-                            plgpu.wgmma(acc, a_smem.at[w, 0], k_smem.at[w])
+                            plgpu.wgmma(acc, a_smem.at[w, 0], kb.at[w])
                             if p_lo is not None:
-                                plgpu.wgmma(acc, a_smem.at[w, 1], k_smem.at[w])
+                                plgpu.wgmma(acc, a_smem.at[w, 1], kb.at[w])
                             return acc[...]
 
                         o = o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
                     else:
                         def pv(acc):
                             acc[...] = o
-                            plgpu.wgmma(acc, p_hi, k_smem.at[w])
+                            plgpu.wgmma(acc, p_hi, kb.at[w])
                             if p_lo is not None:
-                                plgpu.wgmma(acc, p_lo, k_smem.at[w])
+                                plgpu.wgmma(acc, p_lo, kb.at[w])
                             return acc[...]
 
                         o = pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
-                    if not exchange:
+                    if direct:
+                        plgpu.barrier_arrive(free.at[b])  # P V has read the K tile
+                    elif not exchange:
                         plgpu.barrier_arrive(k_free)
                     return n + 1, o, m_new, l
 
                 n, o, m, l = lax.fori_loop(ranges[p][0], ranges[p][1], blk, (n, o, m, l))
 
-            if not exchange:
+            if not exchange and not direct:
                 # Observe the last phase (every phase of a barrier must be awaited by its waiters).
                 @pl.when(n > 0)
                 def _():
@@ -407,26 +485,29 @@ def build_kernel(spec: KernelSpec):
         def _c1():
             compute(1)
 
-    stage_types = []
-    if has_fp8:
-        stage_types.append(plgpu.SMEM((T, FP8_PITCH), jnp.uint8))
-    if has_bf16:
-        stage_types.append(plgpu.SMEM((T, BF16_PITCH), jnp.bfloat16))
-    stage = plgpu.RefUnion(*stage_types) if len(stage_types) == 2 else stage_types[0]
+    NB = spec.nbuf
+    stage = None
+    if not spec.direct:
+        stage_types = []
+        if has_fp8:
+            stage_types.append(plgpu.SMEM((T, FP8_PITCH), jnp.uint8))
+        if has_bf16:
+            stage_types.append(plgpu.SMEM((T, BF16_PITCH), jnp.bfloat16))
+        stage = plgpu.RefUnion(*stage_types) if len(stage_types) == 2 else stage_types[0]
+    staged_no_x = not spec.qk_exchange and not spec.direct
     scratch = (
         plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # Q halves
-        plgpu.SMEM((2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves
+        plgpu.SMEM((NB, 2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves (ring)
         stage,
         plgpu.SMEM((T, 16), jnp.uint8) if has_fp8 else None,  # scale bytes, 16 B per token
-        plgpu.SMEM((T,), jnp.int32),
+        plgpu.SMEM((NB, T), jnp.int32),  # the block's sources (ring)
         plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if has_fp8 else None,
         plgpu.SMEM((HB,), jnp.float32) if has_sink else None,
         plgpu.Barrier(num_arrivals=3 if has_sink else 2),  # q_bar
-        plgpu.Barrier(num_arrivals=1),  # idx_full
-        plgpu.Barrier(num_arrivals=T + 1),  # stage_full: one per token + the scales copy
-        plgpu.Barrier(num_arrivals=2),  # stage_free
-        None if spec.qk_exchange else plgpu.Barrier(num_arrivals=2),  # k_ready
-        None if spec.qk_exchange else plgpu.Barrier(num_arrivals=2),  # k_free
+        plgpu.Barrier(num_arrivals=1, num_barriers=NB),  # full: the memory warpgroup published a block
+        plgpu.Barrier(num_arrivals=2, num_barriers=NB),  # free: both compute warpgroups released a buffer
+        plgpu.Barrier(num_arrivals=2) if staged_no_x else None,  # k_ready
+        plgpu.Barrier(num_arrivals=2) if staged_no_x else None,  # k_free
         # exchange of partial scores: f32 [64 heads, 64 tokens]
         plgpu.SMEM((HB, T), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), _SWZ))
         if spec.qk_exchange else None,
@@ -435,6 +516,9 @@ def build_kernel(spec: KernelSpec):
         # interpreter only: wgmma A operands staged in SMEM (P per compute warpgroup, RoPE bytes)
         plgpu.SMEM((2, 2, HB, T), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret else None,
         plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret and has_fp8 else None,
+        # interpreter only: the Pallas-level gather's own barriers (sources; one arrival per copy)
+        plgpu.Barrier(num_arrivals=1) if spec.interpret else None,
+        plgpu.Barrier(num_arrivals=2 * T if spec.direct else T + 1) if spec.interpret else None,
     )
     if spec.final:
         out_type = (jax.ShapeDtypeStruct((R, Hp, D), jnp.bfloat16),

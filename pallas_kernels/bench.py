@@ -13,7 +13,9 @@ once, q read and out written once), and the two floors (FLOPs at 790 TFLOP/s bf1
 Variants: `default` (what `impl="pallas"` runs), `redundant_qk` (both compute warpgroups
 contract all 512 dims instead of exchanging partial scores), `bf16_p` (a single bf16 P, the
 FlashMLA choice: faster, but misses the output tolerance on the project's test data; timing only),
-`splits=N` (forced split count).
+`splits=N` (forced split count); timing experiments that leave one stage out (wrong results):
+`no_copy` (no token copies), `no_compute` (compute warpgroups only wait and release the staging),
+`no_dequant` (the K tile is not rewritten). `--variants a,b --cases decode,prefill` picks them.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ def run(name, kind, case, variant, iters):
         opts["qk_exchange"] = False
     elif variant == "bf16_p":
         opts["p_split"] = False
+    elif variant in ("no_copy", "no_compute", "no_dequant"):
+        opts["ablate"] = variant
     elif variant.startswith("splits="):
         splits = int(variant.split("=")[1])
     op = sparse_mla_decode if kind == "decode" else sparse_mla_prefill
@@ -158,6 +162,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variants for the two target cases (timing experiments: no_copy, "
+                         "no_compute, no_dequant, bf16_p, redundant_qk, splits=N); implies --quick's case list")
+    ap.add_argument("--cases", default="decode,prefill", help="with --variants: decode and/or prefill")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"needs a CUDA GPU (default backend {jax.default_backend()!r})")
@@ -171,7 +179,10 @@ def main(argv=None):
     plan = [("decode b128 sq2 h128 topk2048 fp8", "decode", dec, ["default"] if a.quick else
              ["default", "redundant_qk", "bf16_p", "splits=2"]),
             ("prefill sq4096 h128 topk2048 bf16", "prefill", pre, ["default"] if a.quick else ["default", "bf16_p"])]
-    if not a.quick:
+    if a.variants:
+        vs = a.variants.split(",")
+        plan = [(n, k, c, vs) for n, k, c, _ in plan if k in a.cases.split(",")]
+    elif not a.quick:
         plan += [
             ("decode b128 sq2 h128 swa128+c1024", "decode",
              decode_case(128, 2, 128, 128, block_size=256, extra=(1024, 64, "fp8_ds_mla", 8192), tokens_per_req=256),

@@ -1,0 +1,159 @@
+"""The memory warpgroup's token gather on the GPU: 16-byte `cp.async` copies issued by all 128 threads.
+
+Pallas' own `copy_gmem_to_smem` issues one bulk copy at a time from an elected thread, behind a
+warpgroup barrier and a 128-thread barrier arrival per copy; with one copy per token that loop
+took ~190 cycles per token and, measured alone, 680 us of the 1270 us decode headline
+(benchmarks/pallas_notes.md, section 6). Here every thread of the memory warpgroup issues its own
+share of a 64-token block as 16-byte `cp.async.cg` copies, written with `plgpu.inline_mgpu`
+(Mosaic GPU's escape hatch; this is the only use of it, and the interpreter cannot run it, so the
+kernel keeps a Pallas-level formulation for interpret mode).
+
+Work split: warp `w` of the memory warpgroup takes tokens w, w + 4, ..., w + 60; per token its 32
+lanes copy consecutive 16-byte chunks (one coalesced 512 B request per instruction). Each lane
+reads the token's source (byte offset / row number, -1 masked) itself from global memory. Masked
+tokens copy with source size 0, which zero-fills the destination (required where the kernel feeds
+the destination straight into a wgmma: a masked row must be 0, never stale or NaN).
+
+Destinations:
+- `fp8_stage`: the 576 B record into row i (pitch `pitch` bytes) of the raw staging buffer, and
+  the entry's 16 scale bytes (prepared by XLA) into row i of the scale buffer;
+- `bf16_stage`: the 1 KiB row into row i (pitch `pitch`) of the staging buffer;
+- `bf16_tile`: the 1 KiB row straight into row i of the two swizzled K halves [2, 64, 256] (bf16,
+  (8, 64) tiles of 1 KiB, 128-byte swizzle: the 16 B chunk q of a 128 B line r goes to q ^ (r % 8)),
+  i.e. the wgmma operand layout, so the compute warpgroups do no relayout.
+Plus the block's 64 sources (256 B) into the index buffer, for the compute warpgroups' masks.
+
+The copies are committed as one `cp.async` group; `wait_all` waits for this thread's groups
+(`cp.async.wait_group`), after which the caller fences and arrives on the block's barrier.
+"""
+
+from __future__ import annotations
+
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import utils as mgu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
+
+__all__ = ["issue_block", "wait_groups"]
+
+_T = 64
+
+
+def _i32(v):
+    return arith.constant(ir.IntegerType.get_signless(32), v)
+
+
+def _i64(v):
+    return arith.constant(ir.IntegerType.get_signless(64), v)
+
+
+def _addr64(ref):
+    """Generic (global) address of a GMEM memref's first element, as i64."""
+    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgu.memref_ptr(ref))
+
+
+def _smem32(ref):
+    """Shared-window address of an SMEM memref's first element, as i32."""
+    return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgu.memref_ptr(ref))
+
+
+def _ld_b32(addr64):
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [addr64], "ld.global.nc.b32 $0, [$1];", "=r,l",
+                           has_side_effects=True)
+
+
+def _cp16(dst32, src64, nbytes32):
+    """cp.async of 16 B; `nbytes32` (0 or 16) bytes are read, the rest zero-filled."""
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst32, src64, nbytes32],
+                    "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True)
+
+
+def _cp16_if(pred, dst32, src64):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, src64],
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p cp.async.cg.shared.global [$1], [$2], 16;\n}",
+                    "r,r,l", has_side_effects=True)
+
+
+def issue_block(kind: str, pitch: int = 0):
+    """Returns `f(cache, src_blk, dst, idx_dst[, scales_blk, scale_dst])` for `plgpu` code (memory warpgroup).
+
+    cache: the pool's GMEM operand (fp8: uint8 bytes; bf16: [rows, 512]); src_blk: int32 [64], this
+    block's sources; dst: the staging buffer (`*_stage`) or the K buffer [2, 64, 256] (`bf16_tile`);
+    idx_dst: int32 [64] SMEM; fp8 only: scales_blk uint8 [64, 16] (GMEM) and scale_dst (SMEM).
+    """
+    if kind not in ("fp8_stage", "bf16_stage", "bf16_tile"):
+        raise ValueError(f"kind must be fp8_stage, bf16_stage or bf16_tile, got {kind!r}")
+    types = [plgpu.RefType()] * (6 if kind == "fp8_stage" else 4)
+    if kind == "bf16_tile":  # the K ring buffer carries the kernel's tiling and swizzle
+        types[2] = plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+    @plgpu.inline_mgpu(arg_types=tuple(types))
+    def issue(ctx, cache, src_blk, dst, idx_dst, *fp8_refs):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        tid = arith.andi(mgu.thread_idx(), _i32(127))
+        lane = arith.andi(tid, _i32(31))
+        warp = arith.shrui(tid, _i32(5))
+        cache64 = _addr64(cache)
+        src64 = _addr64(src_blk)
+        dst32 = _smem32(dst)
+        lane16 = arith.muli(lane, _i32(16))
+        lane16_64 = arith.extui(i64, lane16)
+        # The block's sources for the compute warpgroups: 16 threads x 16 B.
+        _cp16_if(arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, _i32(16))),
+                 arith.addi(_smem32(idx_dst), arith.muli(tid, _i32(16))),
+                 arith.addi(src64, arith.extui(i64, arith.muli(tid, _i32(16)))))
+        if kind == "fp8_stage":
+            scales64 = _addr64(fp8_refs[0])
+            scale32 = _smem32(fp8_refs[1])
+        for k in range(_T // 4):
+            tok = arith.addi(warp, _i32(4 * k))
+            off = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))
+            valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
+            nbytes = arith.select(valid, _i32(16), _i32(0))
+            if kind == "fp8_stage":
+                base = arith.select(valid, arith.extsi(i64, off), _i64(0))
+                g = arith.addi(cache64, base)
+                row = arith.addi(dst32, arith.muli(tok, _i32(pitch)))
+                _cp16(arith.addi(row, lane16), arith.addi(g, lane16_64), nbytes)  # bytes 0..511
+                # bytes 512..575 (lanes 0-3), then the entry's scale bytes (lane 4)
+                tail = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4))
+                _cp16_if(arith.extui(i32, tail), arith.addi(row, arith.addi(lane16, _i32(512))),
+                         arith.addi(g, arith.addi(lane16_64, _i64(512))))
+                # masked tails are not zero-filled: the dequantization selects masked rows to 0
+                is4 = arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4))
+                _cp16_if(arith.extui(i32, is4), arith.addi(scale32, arith.muli(tok, _i32(16))),
+                         arith.addi(scales64, arith.extui(i64, arith.muli(tok, _i32(16)))))
+            else:
+                base = arith.muli(arith.select(valid, arith.extsi(i64, off), _i64(0)), _i64(1024))
+                g = arith.addi(cache64, base)
+                for h in range(2):  # chunk lane + 32 h of the row: dims [256 h + 8 lane, +8)
+                    src = arith.addi(g, arith.addi(lane16_64, _i64(512 * h)))
+                    if kind == "bf16_stage":
+                        d = arith.addi(arith.addi(dst32, arith.muli(tok, _i32(pitch))),
+                                       arith.addi(lane16, _i32(512 * h)))
+                    else:
+                        # half h, tile (tok // 8, lane // 8), line tok % 8, chunk (lane % 8) ^ (tok % 8)
+                        r = arith.andi(tok, _i32(7))
+                        tile = arith.addi(arith.muli(arith.shrui(tok, _i32(3)), _i32(4)), arith.shrui(lane, _i32(3)))
+                        q = arith.xori(arith.andi(lane, _i32(7)), r)
+                        d = arith.addi(dst32, _i32(h * _T * 256 * 2))
+                        d = arith.addi(d, arith.muli(tile, _i32(1024)))
+                        d = arith.addi(d, arith.addi(arith.muli(r, _i32(128)), arith.muli(q, _i32(16))))
+                    _cp16(d, src, nbytes)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
+
+    return issue
+
+
+def wait_groups(pending: int):
+    """`cp.async.wait_group pending` for the calling threads (0: all of this thread's copies landed)."""
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {pending};", "",
+                        has_side_effects=True)
+
+    return wait
