@@ -16,7 +16,7 @@ the destination straight into a wgmma: a masked row must be 0, never stale or Na
 
 Destinations:
 - `fp8_stage`: the 576 B record into row i (pitch `pitch` bytes) of the raw staging buffer, and
-  the entry's 16 scale bytes (prepared by XLA) into row i of the scale buffer;
+  the block's scale factors (f32 [8, 64], prepared by XLA) into the scale buffer;
 - `bf16_stage`: the 1 KiB row into row i (pitch `pitch`) of the staging buffer;
 - `bf16_tile`: the 1 KiB row straight into row i of the two swizzled K halves [2, 64, 256] (bf16,
   (8, 64) tiles of 1 KiB, 128-byte swizzle: the 16 B chunk q of a 128 B line r goes to q ^ (r % 8)),
@@ -68,10 +68,12 @@ def _cp16(dst32, src64, nbytes32):
                     "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True)
 
 
-def _cp16_if(pred, dst32, src64):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, src64],
-                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p cp.async.cg.shared.global [$1], [$2], 16;\n}",
-                    "r,r,l", has_side_effects=True)
+def _cp16_if(pred, dst32, src64, nbytes32=None):
+    """`_cp16` by the threads whose `pred` (i32) is nonzero."""
+    nbytes32 = nbytes32 if nbytes32 is not None else _i32(16)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, src64, nbytes32],
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p cp.async.cg.shared.global [$1], [$2], 16, $3;\n}",
+                    "r,r,l,r", has_side_effects=True)
 
 
 def issue_block(kind: str, pitch: int = 0):
@@ -79,7 +81,7 @@ def issue_block(kind: str, pitch: int = 0):
 
     cache: the pool's GMEM operand (fp8: uint8 bytes; bf16: [rows, 512]); src_blk: int32 [64], this
     block's sources; dst: the staging buffer (`*_stage`) or the K buffer [2, 64, 256] (`bf16_tile`);
-    idx_dst: int32 [64] SMEM; fp8 only: scales_blk uint8 [64, 16] (GMEM) and scale_dst (SMEM).
+    idx_dst: int32 [64] SMEM; fp8 only: scales_blk f32 [8, 64] (GMEM) and scale_dst (SMEM).
     """
     if kind not in ("fp8_stage", "bf16_stage", "bf16_tile"):
         raise ValueError(f"kind must be fp8_stage, bf16_stage or bf16_tile, got {kind!r}")
@@ -105,8 +107,10 @@ def issue_block(kind: str, pitch: int = 0):
                  arith.addi(_smem32(idx_dst), arith.muli(tid, _i32(16))),
                  arith.addi(src64, arith.extui(i64, arith.muli(tid, _i32(16)))))
         if kind == "fp8_stage":
-            scales64 = _addr64(fp8_refs[0])
-            scale32 = _smem32(fp8_refs[1])
+            # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
+            tid16 = arith.muli(tid, _i32(16))
+            _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), arith.extui(i64, tid16)),
+                  _i32(16))
         for k in range(_T // 4):
             tok = arith.addi(warp, _i32(4 * k))
             off = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))
@@ -117,14 +121,10 @@ def issue_block(kind: str, pitch: int = 0):
                 g = arith.addi(cache64, base)
                 row = arith.addi(dst32, arith.muli(tok, _i32(pitch)))
                 _cp16(arith.addi(row, lane16), arith.addi(g, lane16_64), nbytes)  # bytes 0..511
-                # bytes 512..575 (lanes 0-3), then the entry's scale bytes (lane 4)
+                # bytes 512..575 (lanes 0-3), zero-filled too when masked
                 tail = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4))
                 _cp16_if(arith.extui(i32, tail), arith.addi(row, arith.addi(lane16, _i32(512))),
-                         arith.addi(g, arith.addi(lane16_64, _i64(512))))
-                # masked tails are not zero-filled: the dequantization selects masked rows to 0
-                is4 = arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4))
-                _cp16_if(arith.extui(i32, is4), arith.addi(scale32, arith.muli(tok, _i32(16))),
-                         arith.addi(scales64, arith.extui(i64, arith.muli(tok, _i32(16)))))
+                         arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
             else:
                 base = arith.muli(arith.select(valid, arith.extsi(i64, off), _i64(0)), _i64(1024))
                 g = arith.addi(cache64, base)

@@ -146,7 +146,7 @@ def smem_bytes(spec: KernelSpec) -> int:
         stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
         total += al(stage)
     if spec.has_fp8:
-        total += al(T * 16) + al(128 * 64 * 2)  # scale bytes, RoPE combiner
+        total += al(8 * T * 4) + al(128 * 64 * 2)  # scale factors, RoPE combiner
     if spec.has_sink:
         total += al(HB * 4)
     if spec.qk_exchange:
@@ -160,8 +160,8 @@ def build_kernel(spec: KernelSpec):
     q: bf16 [R, Hp, 512]; counts: int32 [R, n_pools] (64-token blocks per row and pool); sink:
     f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8 [bytes]; bf16: bf16
     [rows, 512]), src int32 [R, kpad] (byte offset of the record / row number, -1 = masked),
-    and for fp8 pools scales uint8 [R, kpad, 16] (the 7 UE8M0 bytes of each entry, zero-padded to
-    16 B for TMA strides; 0 when masked).
+    and for fp8 pools scales f32 [R, kpad / 64, 8, 64] (per 64-token block, group g of the 7
+    NoPE groups (row 7 unused) and token: the factor 2^(e - 127) of the entry's UE8M0 byte; 0 when masked).
     Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp]; split mode
     returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
     """
@@ -237,7 +237,7 @@ def build_kernel(spec: KernelSpec):
             plgpu.copy_gmem_to_smem(src.at[row, pl.ds(j * T, T)], idx_smem.at[b], ibar_idx)
             plgpu.barrier_wait(ibar_idx)
             if fp8:
-                plgpu.copy_gmem_to_smem(scales.at[row, pl.ds(j * T, T)], scale_smem, ibar)
+                plgpu.copy_gmem_to_smem(scales.at[row, j], scale_smem, ibar)
             elif not direct:
                 plgpu.barrier_arrive(ibar)  # staged barriers count T + 1 arrivals
 
@@ -311,7 +311,7 @@ def build_kernel(spec: KernelSpec):
                         fill_interpret(j, b, cache, src, scales, fp8)
                     elif spec.ablate != "no_copy":
                         dst = k_smem.at[b] if direct else (stage_u8 if fp8 else stage_bf)
-                        extra = (scales.at[row, pl.ds(j * T, T)], scale_smem) if fp8 else ()
+                        extra = (scales.at[row, j], scale_smem) if fp8 else ()
                         _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2)(
                             cache, src.at[row, pl.ds(j * T, T)], dst, idx_smem.at[b], *extra)
                     if NB == 1:
@@ -332,6 +332,8 @@ def build_kernel(spec: KernelSpec):
                     plgpu.barrier_wait(free.at[buf(n - NB + k)])
 
         # ----------------------------------------------------------------- compute warpgroups
+        pipelined = direct and exchange and not spec.ablate
+
         def compute(w: int):
             plgpu.set_max_registers(232, action="increase")
             if has_fp8 and w == 1:
@@ -340,120 +342,201 @@ def build_kernel(spec: KernelSpec):
             plgpu.barrier_wait(q_bar)
             if has_sink:
                 sink = plgpu.load(sink_smem, layout=_ROW)
+            def exchange_scores(s_own):
+                """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's, via one
+                16 KiB buffer: wg 0 posts its partial, wg 1 takes it and posts its own; both sum in
+                the same order, so both hold bitwise-identical scores."""
+                if w == 0:
+                    x_smem[...] = s_own
+                    plgpu.barrier_arrive(x_a)
+                    plgpu.barrier_wait(x_b)
+                    return s_own + plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
+                plgpu.barrier_wait(x_a)
+                s_peer = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
+                x_smem[...] = s_own
+                plgpu.barrier_arrive(x_b)
+                return s_peer + s_own
+
+            def softmax_step(s, idx_col, m, l, o):
+                """Online softmax over one block's scores: (P_hi, P_lo or None, O rescaled, m, l)."""
+                vcol = lax.broadcast_in_dim(idx_col >= 0, (HB, T), [1])
+                t = jnp.where(vcol, s * c2, -jnp.inf)
+                m_new = jnp.maximum(m, t.max(axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m - m_use)
+                pexp = jnp.exp2(t - lax.broadcast_in_dim(m_use, (HB, T), [0]))
+                l = l * alpha + pexp.sum(axis=1)
+                o = o * lax.broadcast_in_dim(alpha, (HB, HALF), [0])
+                # P V with P = P_hi + P_lo (two bf16 terms, ~2^-16 relative): a single bf16 P
+                # (2^-9) misses FlashMLA's output tolerance on rows that mix large and small values.
+                p_hi = pexp.astype(jnp.bfloat16)
+                p_lo = (pexp - p_hi.astype(jnp.float32)).astype(jnp.bfloat16) if spec.p_split else None
+                return p_hi, p_lo, o, m_new, l
+
+            def stage_p(p_hi, p_lo):
+                # The interpreter takes wgmma A operands from SMEM only: stage P there.
+                a_smem.at[w, 0][...] = p_hi
+                if p_lo is not None:
+                    a_smem.at[w, 1][...] = p_lo
+                plgpu.commit_smem()
+                return a_smem.at[w, 0], (a_smem.at[w, 1] if p_lo is not None else None)
+
             o = plgpu.layout_cast(jnp.zeros((HB, HALF), jnp.float32), plgpu.Layout.WGMMA)
             m = plgpu.layout_cast(jnp.full((HB,), -jnp.inf, jnp.float32), _ROW)
             l = plgpu.layout_cast(jnp.zeros((HB,), jnp.float32), _ROW)
-            n = jnp.int32(0)
-            for p, pspec in enumerate(spec.pools):
-                fp8 = pspec.fmt == "fp8_ds_mla"
+            def pipelined_loop(o, m, l):
+                """Direct mode: Q K^T of block n + 1 runs on the tensor cores during block n's softmax,
+                and block n's P V during block n + 1's score exchange (the K ring holds both tiles).
 
-                def blk(j, carry, fp8=fp8):
-                    n, o, m, l = carry
-                    b = buf(n)
-                    plgpu.barrier_wait(full.at[b])
-                    kb = k_smem.at[b] if direct else k_smem.at[0]
+                The last block issues its look-ahead Q K^T on its own tile (the result is discarded),
+                so every iteration has the same wgmma groups: 1 (Q K^T) then 1 or 2 (P V)."""
+                nt = end - start  # blocks of this split, over all pools (the memory warpgroup's order)
+                npv = 2 if spec.p_split else 1
 
-                    if not exchange and not direct:
-                        @pl.when(n > 0)
-                        def _():
-                            plgpu.barrier_wait(k_free)
+                def qk_own(b):
+                    def qk(acc):
+                        plgpu.wgmma(acc, q_smem.at[w], k_smem.at[b, w].transpose((1, 0)))
+                        return acc[...]
 
-                    if spec.ablate == "no_compute":
-                        plgpu.barrier_arrive(free.at[b])
-                        return n + 1, o, m, l
-                    idx_row = plgpu.load(idx_smem.at[b], layout=_ROW)
+                    return pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
+
+                zeros_s = plgpu.layout_cast(jnp.zeros((HB, T), jnp.float32), plgpu.Layout.WGMMA)
+
+                @pl.when(nt > 0)
+                def _():
+                    plgpu.barrier_wait(full.at[0])
+
+                s0 = lax.cond(nt > 0, lambda: exchange_scores(qk_own(0)), lambda: zeros_s)
+
+                def step(n, carry):
+                    o, m, l, s = carry
+                    b = n % 2
+                    has_next = n + 1 < nt
+                    nb = jnp.where(has_next, 1 - b, b)
+
+                    @pl.when(has_next)
+                    def _():
+                        plgpu.barrier_wait(full.at[1 - b])
+
                     idx_col = plgpu.load(idx_smem.at[b], layout=_COL)
-                    if not direct:
-                        vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0])
-                        if spec.ablate == "no_dequant":
-                            pass
-                        elif fp8:
-                            _dequant_fp8(w, stage_u8, scale_smem, w_smem, kb, vrow, u_smem)
-                        else:
-                            _copy_bf16(w, stage_bf, kb, vrow)
-                        plgpu.barrier_arrive(free.at[b])
-                        plgpu.commit_smem()
-                    if exchange:
-                        # Each warpgroup contracts its own 256 dims; the two partial scores meet in SMEM.
-                        def qk(acc):
-                            plgpu.wgmma(acc, q_smem.at[w], kb.at[w].transpose((1, 0)))
-                            return acc[...]
-
-                        s_own = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
-                        # One 16 KiB buffer: wg 0 posts its partial, wg 1 takes it and posts its own.
-                        if w == 0:
-                            x_smem[...] = s_own
-                            plgpu.barrier_arrive(x_a)
-                            plgpu.barrier_wait(x_b)
-                            s = s_own + plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
-                        else:
-                            plgpu.barrier_wait(x_a)
-                            s_peer = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
-                            x_smem[...] = s_own
-                            plgpu.barrier_arrive(x_b)
-                            s = s_peer + s_own  # S_0 + S_1 in both warpgroups: identical scores
-                    else:
-                        if not direct:  # both halves of the K tile written
-                            plgpu.barrier_arrive(k_ready)
-                            plgpu.barrier_wait(k_ready)
-
-                        def qk(acc):
-                            plgpu.wgmma(acc, q_smem.at[0], kb.at[0].transpose((1, 0)))
-                            plgpu.wgmma(acc, q_smem.at[1], kb.at[1].transpose((1, 0)))
-                            return acc[...]
-
-                        s = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
-                    vcol = lax.broadcast_in_dim(idx_col >= 0, (HB, T), [1])
-                    t = jnp.where(vcol, s * c2, -jnp.inf)
-                    m_new = jnp.maximum(m, t.max(axis=1))
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    alpha = jnp.exp2(m - m_use)
-                    pexp = jnp.exp2(t - lax.broadcast_in_dim(m_use, (HB, T), [0]))
-                    l = l * alpha + pexp.sum(axis=1)
-                    o = o * lax.broadcast_in_dim(alpha, (HB, HALF), [0])
-                    # P V with P = P_hi + P_lo (two bf16 terms, ~2^-16 relative): a single bf16 P
-                    # (2^-9) misses FlashMLA's output tolerance on rows that mix large and small values.
-                    p_hi = pexp.astype(jnp.bfloat16)
-                    p_lo = (pexp - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-                    if not spec.p_split:
-                        p_lo = None
                     if spec.interpret:
-                        # The interpreter takes wgmma operands from SMEM only and cannot store into
-                        # an accumulator: stage P in SMEM and add P V to O.
-                        a_smem.at[w, 0][...] = p_hi
-                        if p_lo is not None:
-                            a_smem.at[w, 1][...] = p_lo
-                        plgpu.commit_smem()
+                        # no register A operands / accumulator stores here: the same steps, serialized
+                        p_hi, p_lo, o, m, l = softmax_step(s, idx_col, m, l, o)
+                        p_hi, p_lo = stage_p(p_hi, p_lo)
 
                         def pv(acc):
-                            plgpu.wgmma(acc, a_smem.at[w, 0], kb.at[w])
+                            plgpu.wgmma(acc, p_hi, k_smem.at[b, w])
                             if p_lo is not None:
-                                plgpu.wgmma(acc, a_smem.at[w, 1], kb.at[w])
+                                plgpu.wgmma(acc, p_lo, k_smem.at[b, w])
                             return acc[...]
 
                         o = o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+                        s_next = exchange_scores(qk_own(nb))
                     else:
-                        def pv(acc):
-                            acc[...] = o
-                            plgpu.wgmma(acc, p_hi, kb.at[w])
+                        def body(acc_s, acc_o):
+                            plgpu.wgmma(acc_s, q_smem.at[w], k_smem.at[nb, w].transpose((1, 0)))
+                            p_hi, p_lo, o_s, m_n, l_n = softmax_step(s, idx_col, m, l, o)
+                            acc_o[...] = o_s
+                            plgpu.wgmma(acc_o, p_hi, k_smem.at[b, w])
                             if p_lo is not None:
-                                plgpu.wgmma(acc, p_lo, kb.at[w])
-                            return acc[...]
+                                plgpu.wgmma(acc_o, p_lo, k_smem.at[b, w])
+                            s_next = exchange_scores(plgpu.wgmma_accumulator_load(acc_s, wait_n=npv))
+                            return acc_o[...], m_n, l_n, s_next
 
-                        o = pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
-                    if direct:
-                        plgpu.barrier_arrive(free.at[b])  # P V has read the K tile
-                    elif not exchange:
-                        plgpu.barrier_arrive(k_free)
-                    return n + 1, o, m_new, l
+                        o, m, l, s_next = pl.run_scoped(body, plgpu.ACC((HB, T), jnp.float32),
+                                                        plgpu.ACC((HB, HALF), jnp.float32))
+                    plgpu.barrier_arrive(free.at[b])  # both wgmmas on tile b are complete
+                    return o, m, l, s_next
 
-                n, o, m, l = lax.fori_loop(ranges[p][0], ranges[p][1], blk, (n, o, m, l))
+                o, m, l, _ = lax.fori_loop(0, nt, step, (o, m, l, s0))
+                return o, m, l
 
-            if not exchange and not direct:
-                # Observe the last phase (every phase of a barrier must be awaited by its waiters).
-                @pl.when(n > 0)
-                def _():
-                    plgpu.barrier_wait(k_free)
+            if pipelined:
+                o, m, l = pipelined_loop(o, m, l)
+            else:
+                n = jnp.int32(0)
+                for p, pspec in enumerate(spec.pools):
+                    fp8 = pspec.fmt == "fp8_ds_mla"
+
+                    def blk(j, carry, fp8=fp8):
+                        n, o, m, l = carry
+                        b = buf(n)
+                        plgpu.barrier_wait(full.at[b])
+                        kb = k_smem.at[b] if direct else k_smem.at[0]
+
+                        if not exchange and not direct:
+                            @pl.when(n > 0)
+                            def _():
+                                plgpu.barrier_wait(k_free)
+
+                        if spec.ablate == "no_compute":
+                            plgpu.barrier_arrive(free.at[b])
+                            return n + 1, o, m, l
+                        idx_row = plgpu.load(idx_smem.at[b], layout=_ROW)
+                        idx_col = plgpu.load(idx_smem.at[b], layout=_COL)
+                        if not direct:
+                            # the GPU gather zero-fills masked records; the interpreter's leaves them stale
+                            vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0]) if spec.interpret else None
+                            if spec.ablate == "no_dequant":
+                                pass
+                            elif fp8:
+                                _dequant_fp8(w, stage_u8, scale_smem, w_smem, kb, vrow, u_smem)
+                            else:
+                                _copy_bf16(w, stage_bf, kb, vrow)
+                            plgpu.barrier_arrive(free.at[b])
+                            plgpu.commit_smem()
+                        if exchange:
+                            # Each warpgroup contracts its own 256 dims; the two partial scores meet in SMEM.
+                            def qk(acc):
+                                plgpu.wgmma(acc, q_smem.at[w], kb.at[w].transpose((1, 0)))
+                                return acc[...]
+
+                            s = exchange_scores(pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32)))
+                        else:
+                            if not direct:  # both halves of the K tile written
+                                plgpu.barrier_arrive(k_ready)
+                                plgpu.barrier_wait(k_ready)
+
+                            def qk(acc):
+                                plgpu.wgmma(acc, q_smem.at[0], kb.at[0].transpose((1, 0)))
+                                plgpu.wgmma(acc, q_smem.at[1], kb.at[1].transpose((1, 0)))
+                                return acc[...]
+
+                            s = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
+                        p_hi, p_lo, o, m_new, l = softmax_step(s, idx_col, m, l, o)
+                        if spec.interpret:
+                            # The interpreter cannot store into an accumulator either: add P V to O.
+                            p_hi, p_lo = stage_p(p_hi, p_lo)
+
+                            def pv(acc):
+                                plgpu.wgmma(acc, p_hi, kb.at[w])
+                                if p_lo is not None:
+                                    plgpu.wgmma(acc, p_lo, kb.at[w])
+                                return acc[...]
+
+                            o = o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+                        else:
+                            def pv(acc):
+                                acc[...] = o
+                                plgpu.wgmma(acc, p_hi, kb.at[w])
+                                if p_lo is not None:
+                                    plgpu.wgmma(acc, p_lo, kb.at[w])
+                                return acc[...]
+
+                            o = pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+                        if direct:
+                            plgpu.barrier_arrive(free.at[b])  # P V has read the K tile
+                        elif not exchange:
+                            plgpu.barrier_arrive(k_free)
+                        return n + 1, o, m_new, l
+
+                    n, o, m, l = lax.fori_loop(ranges[p][0], ranges[p][1], blk, (n, o, m, l))
+
+                if not exchange and not direct:
+                    # Observe the last phase (every phase of a barrier must be awaited by its waiters).
+                    @pl.when(n > 0)
+                    def _():
+                        plgpu.barrier_wait(k_free)
 
             # ------------------------------------------------------------------ epilogue
             empty = l == 0.0
@@ -499,7 +582,7 @@ def build_kernel(spec: KernelSpec):
         plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # Q halves
         plgpu.SMEM((NB, 2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves (ring)
         stage,
-        plgpu.SMEM((T, 16), jnp.uint8) if has_fp8 else None,  # scale bytes, 16 B per token
+        plgpu.SMEM((8, T), jnp.float32) if has_fp8 else None,  # per-group scale factors of the block
         plgpu.SMEM((NB, T), jnp.int32),  # the block's sources (ring)
         plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if has_fp8 else None,
         plgpu.SMEM((HB,), jnp.float32) if has_sink else None,
@@ -556,17 +639,18 @@ def _rope_combiner():
 
 
 def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
-    """K half w <- dequantized staged fp8_ds_mla records (masked rows 0)."""
-    sb = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA)  # uint8 [64, 16]
-    sf = lax.bitcast_convert_type(sb.astype(jnp.int32) << 23, jnp.float32)  # 2^(e - 127) (e = 0 -> 0)
-    col = plgpu.broadcasted_iota(jnp.int32, (T, 16), 1, layout=plgpu.Layout.WGMMA)
-    zero = jnp.zeros((T, 64), jnp.float32)
+    """K half w <- dequantized staged fp8_ds_mla records; masked rows 0.
+
+    scale_smem: f32 [8, 64], group g's 2^(e - 127) per token (0 when masked). `vrow` None: the
+    gather zero-filled the masked records (the GPU path), so no select is needed."""
     groups = range(0, 4) if w == 0 else range(4, 7)
     for g in groups:
-        scale_g = jnp.where(col == g, sf, jnp.zeros_like(sf)).max(axis=1)  # [64] per token
+        scale_g = plgpu.load(scale_smem.at[g], layout=_ROW)  # [64] per token
         x8 = plgpu.load(stage_u8.at[:, pl.ds(64 * g, 64)], layout=plgpu.Layout.WGMMA)
         x = lax.bitcast_convert_type(x8, jnp.float8_e4m3fn).astype(jnp.float32)
-        y = jnp.where(vrow, x * lax.broadcast_in_dim(scale_g, (T, 64), [0]), zero)
+        y = x * lax.broadcast_in_dim(scale_g, (T, 64), [0])
+        if vrow is not None:
+            y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.float32))
         k_smem.at[w, :, pl.ds(64 * (g - 4 * w), 64)][...] = y.astype(jnp.bfloat16)
     if w == 1:
         ub = plgpu.load(stage_u8.at[:, pl.ds(NOPE, 128)], layout=plgpu.Layout.WGMMA)  # RoPE bytes
@@ -583,13 +667,15 @@ def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
 
         bits = pl.run_scoped(comb, plgpu.ACC((T, 64), jnp.float32))
         y = lax.bitcast_convert_type(bits.astype(jnp.int32).astype(jnp.int16), jnp.bfloat16)
-        y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.bfloat16))
+        if vrow is not None:
+            y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.bfloat16))
         k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = y
 
 
 def _copy_bf16(w, stage_bf, k_smem, vrow):
-    """K half w <- staged bf16 rows (masked rows 0)."""
-    zero = jnp.zeros((T, 64), jnp.bfloat16)
+    """K half w <- staged bf16 rows; masked rows 0 (`vrow` None: already zero-filled by the gather)."""
     for j in range(4):
         x = plgpu.load(stage_bf.at[:, pl.ds(w * HALF + 64 * j, 64)], layout=plgpu.Layout.WGMMA)
-        k_smem.at[w, :, pl.ds(64 * j, 64)][...] = jnp.where(vrow, x, zero)
+        if vrow is not None:
+            x = jnp.where(vrow, x, jnp.zeros((T, 64), jnp.bfloat16))
+        k_smem.at[w, :, pl.ds(64 * j, 64)][...] = x

@@ -4,11 +4,10 @@ The XLA side only touches indices and per-entry metadata, never the KV data:
 - per pool and selected entry, the source of the token in the cache -- the byte offset of its
   fp8_ds_mla record (`block * page_bytes + offset * 576`) or its bf16 row (the global slot) --
   or -1 when the entry is masked (index < 0, index >= capacity, or position >= topk_length);
-- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad, zero-padded to 16 B),
-  one 8-byte gather per entry (1.4 % of the bytes per token); masked entries read nothing and
-  get 0. The kernel's bulk copies must be multiples of 128 B in Mosaic GPU's lane-level
-  lowering, so fetching those 8 B in the kernel would cost a second 128 B copy per token (see
-  benchmarks/pallas_notes.md);
+- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad), one 8-byte gather
+  per entry (1.4 % of the bytes per token), turned into the factors 2^(e - 127) as f32 laid out
+  [row, block, group, token], so the kernel loads one group's per-token factors as one row
+  vector (no reduction across lanes); masked entries read nothing and get 0;
 - per row and pool, the number of 64-token blocks `ceil(min(topk_length, topk) / 64)`.
 
 Splits: a fixed split of each row's valid blocks into `num_splits` equal parts (not FlashMLA's
@@ -117,7 +116,9 @@ def pool_operands(cache, fmt: str, block_size: int, idx, lens):
         sc = rows8.at[scale_row].get(mode="fill", fill_value=0)  # [R, K, 8] uint8
         if kpad > K:
             sc = jnp.pad(sc, ((0, 0), (0, kpad - K), (0, 0)))
-        extra = (jnp.pad(sc, ((0, 0), (0, 0), (0, 8))),)  # [R, kpad, 16]: TMA needs 16 B strides
+        # 2^(e - 127) as f32 (e = 0 -> 0), laid out [R, block, group, token] for per-token row loads
+        sf = jax.lax.bitcast_convert_type(sc.astype(jnp.int32) << 23, jnp.float32)
+        extra = (sf.reshape(R, kpad // T, T, 8).transpose(0, 1, 3, 2),)
     if kpad > K:
         src = jnp.pad(src, ((0, 0), (0, kpad - K)), constant_values=-1)
     nblk = (jnp.clip(lens, 0, K) + T - 1) // T
