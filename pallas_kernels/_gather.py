@@ -15,8 +15,10 @@ tokens copy with source size 0, which zero-fills the destination (required where
 the destination straight into a wgmma: a masked row must be 0, never stale or NaN).
 
 Destinations:
-- `fp8_stage`: the 576 B record into row i (pitch `pitch` bytes) of the raw staging buffer, and
-  the block's scale factors (f32 [8, 64], prepared by XLA) into the scale buffer;
+- `fp8_stage`: the record's 448 NoPE bytes into row i (pitch `pitch` bytes) of the raw staging
+  buffer, its 128 RoPE bytes into row i (pitch `rope_pitch` bytes) of a bf16 RoPE buffer (bytes in, bf16 values
+  out: no conversion needed), and the block's scale factors (f32 [8, 64], prepared by XLA) into
+  the scale buffer;
 - `bf16_stage`: the 1 KiB row into row i (pitch `pitch`) of the staging buffer;
 - `bf16_tile`: the 1 KiB row straight into row i of the two swizzled K halves [2, 64, 256] (bf16,
   (8, 64) tiles of 1 KiB, 128-byte swizzle: the 16 B chunk q of a 128 B line r goes to q ^ (r % 8)),
@@ -76,16 +78,17 @@ def _cp16_if(pred, dst32, src64, nbytes32=None):
                     "r,r,l,r", has_side_effects=True)
 
 
-def issue_block(kind: str, pitch: int = 0):
+def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
     """Returns `f(cache, src_blk, dst, idx_dst[, scales_blk, scale_dst])` for `plgpu` code (memory warpgroup).
 
     cache: the pool's GMEM operand (fp8: uint8 bytes; bf16: [rows, 512]); src_blk: int32 [64], this
     block's sources; dst: the staging buffer (`*_stage`) or the K buffer [2, 64, 256] (`bf16_tile`);
-    idx_dst: int32 [64] SMEM; fp8 only: scales_blk f32 [8, 64] (GMEM) and scale_dst (SMEM).
+    idx_dst: int32 [64] SMEM; fp8 only: scales_blk f32 [8, 64] (GMEM), scale_dst (SMEM) and rope_dst
+    (SMEM bf16 rows of `rope_pitch` bytes).
     """
     if kind not in ("fp8_stage", "bf16_stage", "bf16_tile"):
         raise ValueError(f"kind must be fp8_stage, bf16_stage or bf16_tile, got {kind!r}")
-    types = [plgpu.RefType()] * (6 if kind == "fp8_stage" else 4)
+    types = [plgpu.RefType()] * (7 if kind == "fp8_stage" else 4)
     if kind == "bf16_tile":  # the K ring buffer carries the kernel's tiling and swizzle
         types[2] = plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
@@ -107,6 +110,7 @@ def issue_block(kind: str, pitch: int = 0):
                  arith.addi(_smem32(idx_dst), arith.muli(tid, _i32(16))),
                  arith.addi(src64, arith.extui(i64, arith.muli(tid, _i32(16)))))
         if kind == "fp8_stage":
+            rope32 = _smem32(fp8_refs[2])
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
             tid16 = arith.muli(tid, _i32(16))
             _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), arith.extui(i64, tid16)),
@@ -120,10 +124,15 @@ def issue_block(kind: str, pitch: int = 0):
                 base = arith.select(valid, arith.extsi(i64, off), _i64(0))
                 g = arith.addi(cache64, base)
                 row = arith.addi(dst32, arith.muli(tok, _i32(pitch)))
-                _cp16(arith.addi(row, lane16), arith.addi(g, lane16_64), nbytes)  # bytes 0..511
-                # bytes 512..575 (lanes 0-3), zero-filled too when masked
+                rope = arith.addi(rope32, arith.muli(tok, _i32(rope_pitch)))  # the RoPE row
+                # chunk `lane` (bytes 0..511): NoPE chunks 0..27 to the staging row, RoPE chunks 0..3
+                # (lanes 28..31) to the RoPE row; masked records are zero-filled
+                nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
+                d = arith.select(nope, arith.addi(row, lane16), arith.addi(rope, arith.subi(lane16, _i32(448))))
+                _cp16(d, arith.addi(g, lane16_64), nbytes)
+                # RoPE chunks 4..7 (bytes 512..575) by lanes 0..3
                 tail = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4))
-                _cp16_if(arith.extui(i32, tail), arith.addi(row, arith.addi(lane16, _i32(512))),
+                _cp16_if(arith.extui(i32, tail), arith.addi(rope, arith.addi(lane16, _i32(64))),
                          arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
             else:
                 base = arith.muli(arith.select(valid, arith.extsi(i64, off), _i64(0)), _i64(1024))

@@ -74,6 +74,7 @@ NOPE = 448
 FP8_RECORD = 576
 FP8_PITCH = 656  # staging row pitch: 164 words, rows 4 banks apart -> conflict-free wgmma-layout loads
 BF16_PITCH = 520  # bf16 elements; 1040 B = 260 words, likewise
+ROPE_PITCH = 72  # bf16 elements; 144 B = 36 words: the RoPE staging rows (GPU path), likewise
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _SMEM_LIMIT = 232448  # bytes of dynamic SMEM a Hopper CTA may use
@@ -130,6 +131,11 @@ class KernelSpec:
         return not self.has_fp8
 
     @property
+    def xbufs(self) -> int:
+        """Score-exchange buffers: two where SMEM allows (both warpgroups post at once), else one."""
+        return 1 if self.direct else 2
+
+    @property
     def nbuf(self) -> int:
         """Buffers of the gather ring: K tiles in direct mode, the raw staging buffer otherwise."""
         return 2 if self.direct else 1
@@ -145,12 +151,12 @@ def smem_bytes(spec: KernelSpec) -> int:
     if not spec.direct:
         stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
         total += al(stage)
-    if spec.has_fp8:
-        total += al(8 * T * 4) + al(128 * 64 * 2)  # scale factors, RoPE combiner
+    if spec.has_fp8:  # scale factors; RoPE combiner (interpreter) or RoPE staging (GPU)
+        total += al(8 * T * 4) + (al(128 * 64 * 2) if spec.interpret else al(T * ROPE_PITCH * 2))
     if spec.has_sink:
         total += al(HB * 4)
     if spec.qk_exchange:
-        total += al(HB * T * 4)
+        total += spec.xbufs * al(HB * T * 4)
     return total
 
 
@@ -192,7 +198,7 @@ def build_kernel(spec: KernelSpec):
         rest = list(it)
         assert not rest, rest
         (q_smem, k_smem, stage, scale_smem, idx_smem, w_smem, sink_smem,
-         q_bar, full, free, k_ready, k_free, x_smem, x_a, x_b,
+         q_bar, full, free, k_ready, k_free, x_smem, x_post, x_read,
          a_smem, u_smem, ibar_idx, ibar) = scratch
         exchange = spec.qk_exchange
         direct, NB = spec.direct, spec.nbuf
@@ -311,8 +317,8 @@ def build_kernel(spec: KernelSpec):
                         fill_interpret(j, b, cache, src, scales, fp8)
                     elif spec.ablate != "no_copy":
                         dst = k_smem.at[b] if direct else (stage_u8 if fp8 else stage_bf)
-                        extra = (scales.at[row, j], scale_smem) if fp8 else ()
-                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2)(
+                        extra = (scales.at[row, j], scale_smem, w_smem) if fp8 else ()
+                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2)(
                             cache, src.at[row, pl.ds(j * T, T)], dst, idx_smem.at[b], *extra)
                     if NB == 1:
                         publish(b)
@@ -332,30 +338,44 @@ def build_kernel(spec: KernelSpec):
                     plgpu.barrier_wait(free.at[buf(n - NB + k)])
 
         # ----------------------------------------------------------------- compute warpgroups
-        pipelined = direct and exchange and not spec.ablate
-
         def compute(w: int):
             plgpu.set_max_registers(232, action="increase")
-            if has_fp8 and w == 1:
+            if has_fp8 and w == 1 and spec.interpret:
                 w_smem[...] = _rope_combiner()
                 plgpu.commit_smem()
             plgpu.barrier_wait(q_bar)
             if has_sink:
                 sink = plgpu.load(sink_smem, layout=_ROW)
-            def exchange_scores(s_own):
-                """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's, via one
-                16 KiB buffer: wg 0 posts its partial, wg 1 takes it and posts its own; both sum in
-                the same order, so both hold bitwise-identical scores."""
-                if w == 0:
-                    x_smem[...] = s_own
-                    plgpu.barrier_arrive(x_a)
-                    plgpu.barrier_wait(x_b)
-                    return s_own + plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
-                plgpu.barrier_wait(x_a)
-                s_peer = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
-                x_smem[...] = s_own
-                plgpu.barrier_arrive(x_b)
-                return s_peer + s_own
+            def exchange_scores(s_own, n):
+                """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's. Both sum
+                S_0 + S_1 in that order, so both hold bitwise-identical scores.
+
+                Two buffers (staged mode): both post their partial at once (x_post), read the other's
+                and release the buffers (x_read), which the next block waits for before posting.
+                One buffer (direct mode, whose K ring leaves room for one): wg 0 posts (x_post), wg 1
+                takes it and posts its own (x_read), wg 0 takes that."""
+                if spec.xbufs == 1:
+                    if w == 0:
+                        x_smem.at[0][...] = s_own
+                        plgpu.barrier_arrive(x_post)
+                        plgpu.barrier_wait(x_read)
+                        return s_own + plgpu.load(x_smem.at[0], layout=plgpu.Layout.WGMMA)
+                    plgpu.barrier_wait(x_post)
+                    s_peer = plgpu.load(x_smem.at[0], layout=plgpu.Layout.WGMMA)
+                    x_smem.at[0][...] = s_own
+                    plgpu.barrier_arrive(x_read)
+                    return s_peer + s_own
+
+                @pl.when(n > 0)
+                def _():
+                    plgpu.barrier_wait(x_read)
+
+                x_smem.at[w][...] = s_own
+                plgpu.barrier_arrive(x_post)
+                plgpu.barrier_wait(x_post)
+                s_peer = plgpu.load(x_smem.at[1 - w], layout=plgpu.Layout.WGMMA)
+                plgpu.barrier_arrive(x_read)
+                return s_own + s_peer if w == 0 else s_peer + s_own
 
             def softmax_step(s, idx_col, m, l, o):
                 """Online softmax over one block's scores: (P_hi, P_lo or None, O rescaled, m, l)."""
@@ -384,159 +404,94 @@ def build_kernel(spec: KernelSpec):
             o = plgpu.layout_cast(jnp.zeros((HB, HALF), jnp.float32), plgpu.Layout.WGMMA)
             m = plgpu.layout_cast(jnp.full((HB,), -jnp.inf, jnp.float32), _ROW)
             l = plgpu.layout_cast(jnp.zeros((HB,), jnp.float32), _ROW)
-            def pipelined_loop(o, m, l):
-                """Direct mode: Q K^T of block n + 1 runs on the tensor cores during block n's softmax,
-                and block n's P V during block n + 1's score exchange (the K ring holds both tiles).
+            n = jnp.int32(0)
+            for p, pspec in enumerate(spec.pools):
+                fp8 = pspec.fmt == "fp8_ds_mla"
 
-                The last block issues its look-ahead Q K^T on its own tile (the result is discarded),
-                so every iteration has the same wgmma groups: 1 (Q K^T) then 1 or 2 (P V)."""
-                nt = end - start  # blocks of this split, over all pools (the memory warpgroup's order)
-                npv = 2 if spec.p_split else 1
+                def blk(j, carry, fp8=fp8):
+                    n, o, m, l = carry
+                    b = buf(n)
+                    plgpu.barrier_wait(full.at[b])
+                    kb = k_smem.at[b] if direct else k_smem.at[0]
 
-                def qk_own(b):
-                    def qk(acc):
-                        plgpu.wgmma(acc, q_smem.at[w], k_smem.at[b, w].transpose((1, 0)))
-                        return acc[...]
+                    if not exchange and not direct:
+                        @pl.when(n > 0)
+                        def _():
+                            plgpu.barrier_wait(k_free)
 
-                    return pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
-
-                zeros_s = plgpu.layout_cast(jnp.zeros((HB, T), jnp.float32), plgpu.Layout.WGMMA)
-
-                @pl.when(nt > 0)
-                def _():
-                    plgpu.barrier_wait(full.at[0])
-
-                s0 = lax.cond(nt > 0, lambda: exchange_scores(qk_own(0)), lambda: zeros_s)
-
-                def step(n, carry):
-                    o, m, l, s = carry
-                    b = n % 2
-                    has_next = n + 1 < nt
-                    nb = jnp.where(has_next, 1 - b, b)
-
-                    @pl.when(has_next)
-                    def _():
-                        plgpu.barrier_wait(full.at[1 - b])
-
+                    if spec.ablate == "no_compute":
+                        plgpu.barrier_arrive(free.at[b])
+                        return n + 1, o, m, l
+                    idx_row = plgpu.load(idx_smem.at[b], layout=_ROW)
                     idx_col = plgpu.load(idx_smem.at[b], layout=_COL)
+                    if not direct:
+                        # the GPU gather zero-fills masked records; the interpreter's leaves them stale
+                        vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0]) if spec.interpret else None
+                        if spec.ablate == "no_dequant":
+                            pass
+                        elif fp8:
+                            _dequant_fp8(w, stage_u8, scale_smem, w_smem, kb, vrow, u_smem)
+                        else:
+                            _copy_bf16(w, stage_bf, kb, vrow)
+                        plgpu.barrier_arrive(free.at[b])
+                        plgpu.commit_smem()
+                    if exchange:
+                        # Each warpgroup contracts its own 256 dims; the two partial scores meet in SMEM.
+                        def qk(acc):
+                            plgpu.wgmma(acc, q_smem.at[w], kb.at[w].transpose((1, 0)))
+                            return acc[...]
+
+                        s = exchange_scores(pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32)), n)
+                    else:
+                        if not direct:  # both halves of the K tile written
+                            plgpu.barrier_arrive(k_ready)
+                            plgpu.barrier_wait(k_ready)
+
+                        def qk(acc):
+                            plgpu.wgmma(acc, q_smem.at[0], kb.at[0].transpose((1, 0)))
+                            plgpu.wgmma(acc, q_smem.at[1], kb.at[1].transpose((1, 0)))
+                            return acc[...]
+
+                        s = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
+                    p_hi, p_lo, o, m_new, l = softmax_step(s, idx_col, m, l, o)
                     if spec.interpret:
-                        # no register A operands / accumulator stores here: the same steps, serialized
-                        p_hi, p_lo, o, m, l = softmax_step(s, idx_col, m, l, o)
+                        # The interpreter cannot store into an accumulator either: add P V to O.
                         p_hi, p_lo = stage_p(p_hi, p_lo)
 
                         def pv(acc):
-                            plgpu.wgmma(acc, p_hi, k_smem.at[b, w])
+                            plgpu.wgmma(acc, p_hi, kb.at[w])
                             if p_lo is not None:
-                                plgpu.wgmma(acc, p_lo, k_smem.at[b, w])
+                                plgpu.wgmma(acc, p_lo, kb.at[w])
                             return acc[...]
 
                         o = o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
-                        s_next = exchange_scores(qk_own(nb))
                     else:
-                        def body(acc_s, acc_o):
-                            plgpu.wgmma(acc_s, q_smem.at[w], k_smem.at[nb, w].transpose((1, 0)))
-                            p_hi, p_lo, o_s, m_n, l_n = softmax_step(s, idx_col, m, l, o)
-                            acc_o[...] = o_s
-                            plgpu.wgmma(acc_o, p_hi, k_smem.at[b, w])
+                        def pv(acc):
+                            acc[...] = o
+                            plgpu.wgmma(acc, p_hi, kb.at[w])
                             if p_lo is not None:
-                                plgpu.wgmma(acc_o, p_lo, k_smem.at[b, w])
-                            s_next = exchange_scores(plgpu.wgmma_accumulator_load(acc_s, wait_n=npv))
-                            return acc_o[...], m_n, l_n, s_next
+                                plgpu.wgmma(acc, p_lo, kb.at[w])
+                            return acc[...]
 
-                        o, m, l, s_next = pl.run_scoped(body, plgpu.ACC((HB, T), jnp.float32),
-                                                        plgpu.ACC((HB, HALF), jnp.float32))
-                    plgpu.barrier_arrive(free.at[b])  # both wgmmas on tile b are complete
-                    return o, m, l, s_next
+                        o = pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+                    if direct:
+                        plgpu.barrier_arrive(free.at[b])  # P V has read the K tile
+                    elif not exchange:
+                        plgpu.barrier_arrive(k_free)
+                    return n + 1, o, m_new, l
 
-                o, m, l, _ = lax.fori_loop(0, nt, step, (o, m, l, s0))
-                return o, m, l
+                n, o, m, l = lax.fori_loop(ranges[p][0], ranges[p][1], blk, (n, o, m, l))
 
-            if pipelined:
-                o, m, l = pipelined_loop(o, m, l)
-            else:
-                n = jnp.int32(0)
-                for p, pspec in enumerate(spec.pools):
-                    fp8 = pspec.fmt == "fp8_ds_mla"
+            if not exchange and not direct:
+                # Observe the last phase (every phase of a barrier must be awaited by its waiters).
+                @pl.when(n > 0)
+                def _():
+                    plgpu.barrier_wait(k_free)
 
-                    def blk(j, carry, fp8=fp8):
-                        n, o, m, l = carry
-                        b = buf(n)
-                        plgpu.barrier_wait(full.at[b])
-                        kb = k_smem.at[b] if direct else k_smem.at[0]
-
-                        if not exchange and not direct:
-                            @pl.when(n > 0)
-                            def _():
-                                plgpu.barrier_wait(k_free)
-
-                        if spec.ablate == "no_compute":
-                            plgpu.barrier_arrive(free.at[b])
-                            return n + 1, o, m, l
-                        idx_row = plgpu.load(idx_smem.at[b], layout=_ROW)
-                        idx_col = plgpu.load(idx_smem.at[b], layout=_COL)
-                        if not direct:
-                            # the GPU gather zero-fills masked records; the interpreter's leaves them stale
-                            vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0]) if spec.interpret else None
-                            if spec.ablate == "no_dequant":
-                                pass
-                            elif fp8:
-                                _dequant_fp8(w, stage_u8, scale_smem, w_smem, kb, vrow, u_smem)
-                            else:
-                                _copy_bf16(w, stage_bf, kb, vrow)
-                            plgpu.barrier_arrive(free.at[b])
-                            plgpu.commit_smem()
-                        if exchange:
-                            # Each warpgroup contracts its own 256 dims; the two partial scores meet in SMEM.
-                            def qk(acc):
-                                plgpu.wgmma(acc, q_smem.at[w], kb.at[w].transpose((1, 0)))
-                                return acc[...]
-
-                            s = exchange_scores(pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32)))
-                        else:
-                            if not direct:  # both halves of the K tile written
-                                plgpu.barrier_arrive(k_ready)
-                                plgpu.barrier_wait(k_ready)
-
-                            def qk(acc):
-                                plgpu.wgmma(acc, q_smem.at[0], kb.at[0].transpose((1, 0)))
-                                plgpu.wgmma(acc, q_smem.at[1], kb.at[1].transpose((1, 0)))
-                                return acc[...]
-
-                            s = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
-                        p_hi, p_lo, o, m_new, l = softmax_step(s, idx_col, m, l, o)
-                        if spec.interpret:
-                            # The interpreter cannot store into an accumulator either: add P V to O.
-                            p_hi, p_lo = stage_p(p_hi, p_lo)
-
-                            def pv(acc):
-                                plgpu.wgmma(acc, p_hi, kb.at[w])
-                                if p_lo is not None:
-                                    plgpu.wgmma(acc, p_lo, kb.at[w])
-                                return acc[...]
-
-                            o = o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
-                        else:
-                            def pv(acc):
-                                acc[...] = o
-                                plgpu.wgmma(acc, p_hi, kb.at[w])
-                                if p_lo is not None:
-                                    plgpu.wgmma(acc, p_lo, kb.at[w])
-                                return acc[...]
-
-                            o = pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
-                        if direct:
-                            plgpu.barrier_arrive(free.at[b])  # P V has read the K tile
-                        elif not exchange:
-                            plgpu.barrier_arrive(k_free)
-                        return n + 1, o, m_new, l
-
-                    n, o, m, l = lax.fori_loop(ranges[p][0], ranges[p][1], blk, (n, o, m, l))
-
-                if not exchange and not direct:
-                    # Observe the last phase (every phase of a barrier must be awaited by its waiters).
-                    @pl.when(n > 0)
-                    def _():
-                        plgpu.barrier_wait(k_free)
+            if exchange and spec.xbufs == 2 and spec.ablate != "no_compute":
+                @pl.when(n > 0)
+                def _():
+                    plgpu.barrier_wait(x_read)  # the last block's release
 
             # ------------------------------------------------------------------ epilogue
             empty = l == 0.0
@@ -584,7 +539,10 @@ def build_kernel(spec: KernelSpec):
         stage,
         plgpu.SMEM((8, T), jnp.float32) if has_fp8 else None,  # per-group scale factors of the block
         plgpu.SMEM((NB, T), jnp.int32),  # the block's sources (ring)
-        plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if has_fp8 else None,
+        # fp8: the RoPE combiner (interpreter) or the RoPE staging rows (GPU: the gather copies a
+        # record's RoPE bytes here, where they read as the bf16 values they are)
+        (plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret
+         else plgpu.SMEM((T, ROPE_PITCH), jnp.bfloat16)) if has_fp8 else None,
         plgpu.SMEM((HB,), jnp.float32) if has_sink else None,
         plgpu.Barrier(num_arrivals=3 if has_sink else 2),  # q_bar
         plgpu.Barrier(num_arrivals=1, num_barriers=NB),  # full: the memory warpgroup published a block
@@ -592,10 +550,12 @@ def build_kernel(spec: KernelSpec):
         plgpu.Barrier(num_arrivals=2) if staged_no_x else None,  # k_ready
         plgpu.Barrier(num_arrivals=2) if staged_no_x else None,  # k_free
         # exchange of partial scores: f32 [64 heads, 64 tokens]
-        plgpu.SMEM((HB, T), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), _SWZ))
+        plgpu.SMEM((spec.xbufs, HB, T), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), _SWZ))
         if spec.qk_exchange else None,
-        plgpu.Barrier(num_arrivals=1) if spec.qk_exchange else None,  # x_a: wg 0's partial posted
-        plgpu.Barrier(num_arrivals=1) if spec.qk_exchange else None,  # x_b: wg 1's partial posted
+        # x_post / x_read (see exchange_scores): with two buffers each counts both warpgroups, with
+        # one buffer x_post is wg 0's post and x_read wg 1's
+        plgpu.Barrier(num_arrivals=spec.xbufs) if spec.qk_exchange else None,
+        plgpu.Barrier(num_arrivals=spec.xbufs) if spec.qk_exchange else None,
         # interpreter only: wgmma A operands staged in SMEM (P per compute warpgroup, RoPE bytes)
         plgpu.SMEM((2, 2, HB, T), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret else None,
         plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret and has_fp8 else None,
@@ -641,8 +601,10 @@ def _rope_combiner():
 def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
     """K half w <- dequantized staged fp8_ds_mla records; masked rows 0.
 
-    scale_smem: f32 [8, 64], group g's 2^(e - 127) per token (0 when masked). `vrow` None: the
-    gather zero-filled the masked records (the GPU path), so no select is needed."""
+    scale_smem: f32 [8, 64], group g's 2^(e - 127) per token (0 when masked). `vrow` None (the GPU
+    path): the gather zero-filled the masked records, so no select is needed, and `w_smem` holds
+    the RoPE values as bf16 rows (copied there as bytes); otherwise `w_smem` is the RoPE combiner
+    and the RoPE bytes are read from the staged records."""
     groups = range(0, 4) if w == 0 else range(4, 7)
     for g in groups:
         scale_g = plgpu.load(scale_smem.at[g], layout=_ROW)  # [64] per token
@@ -652,7 +614,9 @@ def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
         if vrow is not None:
             y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.float32))
         k_smem.at[w, :, pl.ds(64 * (g - 4 * w), 64)][...] = y.astype(jnp.bfloat16)
-    if w == 1:
+    if w == 1 and vrow is None:
+        k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = plgpu.load(w_smem.at[:, pl.ds(0, 64)], layout=plgpu.Layout.WGMMA)
+    elif w == 1:
         ub = plgpu.load(stage_u8.at[:, pl.ds(NOPE, 128)], layout=plgpu.Layout.WGMMA)  # RoPE bytes
         u = ub.astype(jnp.float32).astype(jnp.bfloat16)
 
