@@ -8,35 +8,43 @@ Program (CTA) = (row, split, 64-head group), a 1-D grid (rows may exceed 65535);
 to a multiple of 64 by the caller (the wgmma M is 64). Three warpgroups (Pallas "threads", "wg"),
 lane-level lowering semantics (`LoweringSemantics.Lane`: explicit register layouts):
 
-- wg 2, the *memory* warpgroup (40 registers): copies the Q tile (TMA, swizzled), then for every
-  64-token block: the block's 64 source offsets (one 256 B TMA into SMEM), the block's scale bytes
-  (fp8 pools, one 1 KiB TMA), and one bulk copy (`cp.async.bulk`) per selected token straight from
-  the paged cache bytes into a raw staging buffer: 640 B for an fp8_ds_mla record (the 576 B
-  record + 64 B of the next record or of the page's scale area, never past the page: lane-level
-  copies must be multiples of 128 B) or 1 KiB for a bf16 row. Masked tokens are never read: their
-  copy is skipped and a plain arrive keeps the barrier count.
-- wg 0 and wg 1, the *compute* warpgroups (232 registers): warpgroup w owns latent dims
-  [256 w, 256 w + 256). Per block it dequantizes its dims of the staged tokens into its half of
-  the bf16 K tile (swizzled SMEM, the wgmma operand layout): e4m3 * 2^(e - 127) for NoPE tiles,
-  and for the RoPE tile the little-endian bf16 bytes recombined exactly by a small integer wgmma
-  (`_rope_combiner`: lo + 256 hi, since Pallas has no width-changing bitcast); every masked
-  token's row is forced to 0 (select, so NaN/garbage never enters a matmul). Then
-  S = Q K^T (wgmma): with `qk_exchange` each warpgroup contracts its own 256 dims and the two f32
-  partials meet in one 16 KiB SMEM buffer (wg 0 posts S_0; wg 1 reads it and posts S_1; both sum
-  S_0 + S_1 in that order, so both hold bitwise-identical scores); otherwise (bf16 + fp8 pools,
-  whose two staging views leave no room for the buffer) both contract all 512 dims. Both run the same online softmax (exp2 domain, masked columns -inf,
-  running max starts at -inf with a guard so (-inf) - (-inf) never occurs) and accumulate their
-  own half of O += P V (wgmma, P from registers, V = the K tile: K = V = the latent) with
-  P = P_hi + P_lo in two bf16 terms: one bf16 P (FlashMLA's choice) misses the output tolerance
-  on rows mixing large and small values.
+Two modes, by the pools' formats:
+- *staged* (any fp8_ds_mla pool): tokens land as raw bytes in a staging buffer and the compute
+  warpgroups dequantize / relayout them into a single K tile;
+- *direct* (bf16 pools only): tokens land straight in a double-buffered K tile (the swizzled wgmma
+  operand layout), so the compute warpgroups only do matmuls and softmax.
 
-Synchronization: `q_bar` (Q + sink landed), `idx_full` / `stage_full` (a block's offsets / data
-landed), `stage_free` (both compute warpgroups are done with the staging buffer; the memory
-warpgroup fences the async proxy before refilling it), `x_a` / `x_b` (partial-score exchange)
-or `k_ready` / `k_free` (shared K tile, without the exchange). Staging and K are single-buffered
-(SMEM: Q 64 KiB + K 64 KiB + staging 41 KiB fp8 / 65 KiB bf16 + RoPE combiner 16 KiB +
-exchange 16 KiB), so the gather of block n+1 overlaps the matmuls and softmax of block n but the
-dequantization does not overlap the matmuls.
+- wg 2, the *memory* warpgroup (40 registers): copies the Q tile (TMA, swizzled), then for every
+  64-token block issues the block's gather from all 128 threads as 16-byte `cp.async` copies
+  (`_gather.py`, through `plgpu.inline_mgpu`): per token the 448 NoPE bytes of an fp8_ds_mla record
+  to the staging row and its 128 RoPE bytes to a bf16 RoPE row (the bytes are the bf16 values), or
+  the 1 KiB bf16 row to the staging row / the K tile row; plus the block's 64 sources and, for fp8
+  pools, its f32 scale factors [8 groups, 64 tokens] (prepared by XLA). Masked tokens are never
+  read: their copies zero-fill. It waits for its own copies (`cp.async.wait_group`), fences them
+  for the async proxy and arrives on the buffer's `full` barrier. In direct mode it publishes
+  block n - 1 before waiting for the release of block n's buffer.
+- wg 0 and wg 1, the *compute* warpgroups (232 registers): warpgroup w owns latent dims
+  [256 w, 256 w + 256). In staged mode, per block it dequantizes its dims of the staged tokens
+  into its half of the bf16 K tile (swizzled SMEM): e4m3 * 2^(e - 127) for NoPE tiles, the RoPE
+  rows copied as they are (masked rows are already 0) and releases the staging buffer. Then
+  S = Q K^T (wgmma): with `qk_exchange` each warpgroup contracts its own 256 dims and the two f32
+  partials are exchanged through SMEM (two 16 KiB buffers where SMEM allows: both post at once;
+  one buffer in direct mode: wg 0 posts, wg 1 takes it and posts its own); both sum S_0 + S_1 in
+  that order, so both hold bitwise-identical scores. Without the exchange (bf16 + fp8 pools, whose
+  two staging views leave no room for the buffer) both contract all 512 dims. Both run the same
+  online softmax (exp2 domain, masked columns -inf, running max starts at -inf with a guard so
+  (-inf) - (-inf) never occurs) and accumulate their own half of O += P V (wgmma, P from
+  registers, V = the K tile: K = V = the latent) with P = P_hi + P_lo in two bf16 terms: one bf16
+  P (FlashMLA's choice) misses the output tolerance on rows mixing large and small values. In
+  direct mode the K buffer is released after P V.
+
+Synchronization: `q_bar` (Q + sink landed), `full[b]` / `free[b]` (buffer b published by the
+memory warpgroup / released by both compute warpgroups), `x_post` / `x_read` (score exchange),
+`k_ready` / `k_free` (shared K tile, staged mode without the exchange). SMEM, staged fp8 (GPU):
+Q 64 KiB + K 64 KiB + staging 41 KiB + RoPE rows 9 KiB + scales 2 KiB + exchange 32 KiB; direct:
+Q 64 KiB + K 2 x 64 KiB + exchange 16 KiB. The gather of block n + 1 overlaps the matmuls and
+softmax of block n (and in direct mode its whole chain); the dequantization does not overlap the
+matmuls.
 
 Outputs: with one split, the final bf16 O (normalized, sink in the denominator), the natural-log
 lse (+inf for an empty row, sink excluded) and max_logits (-inf when empty); with several
@@ -44,8 +52,12 @@ splits, f32 partials (O / l, and lse / max with -inf when empty) for `_ops.combi
 Written directly from registers to global memory.
 
 Interpreter differences (`spec.interpret`, see `_interpret.py`): Mosaic GPU interpret mode takes
-wgmma A operands from SMEM only and cannot store into an accumulator, so P and the RoPE bytes are
-staged in SMEM and P V is added to O after the wgmma; everything else is the same program.
+wgmma A operands from SMEM only and cannot store into an accumulator, so P is staged in SMEM and
+P V is added to O after the wgmma; it cannot run `inline_mgpu`, so the memory warpgroup gathers
+with Pallas-level copies (one per token, masked rows of the direct-mode K tile stored as zeros,
+masked staged rows selected to 0 by the compute warpgroups), and the fp8 RoPE bytes are
+recombined into bf16 by a small integer wgmma (`_rope_combiner`: lo + 256 hi, since Pallas has no
+width-changing bitcast). The barrier protocol and the compute are the same program.
 
 SM100 (Blackwell) runs this same SM90-style kernel for now (wgmma; no tcgen05/TMEM, no TMA gather).
 """
