@@ -17,6 +17,10 @@
    appear in the module.
 3. Registration: importing the package touches no GPU, `supports` refuses the formats the kernels
    do not read, the availability probe reports the CPU as unavailable.
+4. Static checks and operands: SMEM of each kernel mode within the Hopper limit (and the bf16 + fp8
+   case that must drop the score exchange), argument errors of `KernelSpec` / the gather, and the
+   XLA-side fp8 scale factors against the cache bytes. The GPU-only gather (`_gather.py`, inline
+   PTX) is lowered here but only runs in tests/gpu/test_pallas_gpu.py.
 """
 
 from __future__ import annotations
@@ -208,6 +212,68 @@ def test_registration_supports_and_availability():
         d.sparse_mla_decode(q, mx_cache, idx, kv_format="fp8_ds_mla", block_size=64, softmax_scale=0.1, impl="pallas",
                             extra_kv_cache=kvc.allocate(2, 32, "nvfp4_ds_mla"), extra_indices=idx,
                             extra_kv_format="nvfp4_ds_mla", extra_block_size=32)
+
+
+# ------------------------------------------------------------------- static checks, operands
+def test_kernel_spec_checks_and_smem():
+    from pallas_kernels import _gather
+    from pallas_kernels._kernel import _SMEM_LIMIT, KernelSpec, PoolSpec, build_kernel, smem_bytes
+
+    fp8, bf16 = PoolSpec("fp8_ds_mla", 128), PoolSpec("bf16", 128)
+    base = dict(rows=2, heads=64, num_splits=1, softmax_scale=0.1, has_sink=True, interpret=False)
+    staged = KernelSpec(pools=(fp8, fp8), **base)
+    direct = KernelSpec(pools=(bf16,), **base)
+    assert not staged.direct and staged.nbuf == 1 and staged.xbufs == 2
+    assert direct.direct and direct.nbuf == 2 and direct.xbufs == 1
+    for spec in (staged, direct, KernelSpec(pools=(bf16, fp8), qk_exchange=False, **base)):
+        assert smem_bytes(spec) <= _SMEM_LIMIT, (spec, smem_bytes(spec))
+        build_kernel(spec)
+    # a bf16 + fp8 call has no room for the exchange buffers: _ops turns the exchange off
+    mixed = KernelSpec(pools=(bf16, fp8), **base)
+    assert smem_bytes(mixed) > _SMEM_LIMIT
+    with pytest.raises(ValueError, match="SMEM"):
+        build_kernel(mixed)
+    with pytest.raises(ValueError, match="ablate"):
+        build_kernel(KernelSpec(pools=(bf16,), ablate="bogus", **base))
+    with pytest.raises(ValueError, match="qk_exchange"):
+        build_kernel(KernelSpec(pools=(bf16,), ablate="no_compute", qk_exchange=False, **base))
+    with pytest.raises(ValueError, match="kind"):
+        _gather.issue_block("fp8_direct")
+
+
+def test_fp8_scale_factor_operand():
+    """pool_operands' f32 scale rows: [row, block, group, token] = 2^(e - 127) of the entry's UE8M0 byte g."""
+    import jax.numpy as jnp
+
+    from dsv41_jax import kv_cache as kvc
+    from pallas_kernels import _ops
+
+    rng = np.random.default_rng(5)
+    bs, nb = 3, 40
+    pb = kvc.page_bytes("fp8_ds_mla", bs)
+    cache = rng.integers(0, 256, (nb, pb), dtype=np.uint8)
+    cap = nb * bs
+    idx = rng.integers(0, cap, (2, 70)).astype(np.int32)
+    idx[0, 5] = -1
+    idx[1, 7] = cap  # out of range: masked
+    lens = np.array([70, 40], np.int32)
+    ops, spec, nblk = _ops.pool_operands(jnp.asarray(cache), "fp8_ds_mla", bs, jnp.asarray(idx), jnp.asarray(lens))
+    view, src, sf = (np.asarray(x) for x in ops)
+    assert spec.kpad == 128 and sf.shape == (2, 2, 8, 64) and sf.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(nblk), [2, 1])
+    for r in range(2):
+        for k in range(128):
+            i = idx[r, k] if k < 70 else -1
+            valid = k < lens[r] and 0 <= i < cap
+            got = sf[r, k // 64, :, k % 64]
+            if not valid:
+                assert src[r, k] == -1 and not got.any(), (r, k)
+                continue
+            blk, t = divmod(int(i), bs)
+            assert src[r, k] == blk * pb + t * 576
+            e = cache[blk, bs * 576 + t * 8: bs * 576 + t * 8 + 8].astype(np.int64)
+            want = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)
+            np.testing.assert_array_equal(got, want, err_msg=f"row {r} entry {k}")
 
 
 # ----------------------------------------------------- interpret results (run last: they wait)
