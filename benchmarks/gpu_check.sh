@@ -11,7 +11,8 @@
 #                 stage out ($PALLAS_VARIANTS, default "default,no_copy,no_compute,no_dequant,bf16_p";
 #                 $ABL_CASES decode,prefill); not recorded (experiments)
 #   pallas-ncu    Nsight Compute over one pallas kernel call per case ($NCU_CASES): report, details page,
-#                 per-instruction SASS page
+#                 per-instruction SASS page, log and a bench folder per case: point OUT elsewhere and
+#                 copy what you need (the device tool returns at most 8 files)
 #   model-tests   tests/test_model.py with impl=auto on the GPU
 #   bench         python -m benchmarks.sparse_mla --quick (every available impl)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)

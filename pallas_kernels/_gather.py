@@ -25,7 +25,7 @@ Destinations:
   i.e. the wgmma operand layout, so the compute warpgroups do no relayout.
 Plus the block's 64 sources (256 B) into the index buffer, for the compute warpgroups' masks.
 
-The copies are committed as one `cp.async` group; `wait_all` waits for this thread's groups
+The copies are committed as one `cp.async` group; `wait_groups` waits for this thread's groups
 (`cp.async.wait_group`), after which the caller fences and arrives on the block's barrier.
 """
 
@@ -79,7 +79,8 @@ def _cp16_if(pred, dst32, src64, nbytes32=None):
 
 
 def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
-    """Returns `f(cache, src_blk, dst, idx_dst[, scales_blk, scale_dst])` for `plgpu` code (memory warpgroup).
+    """Returns `f(cache, src_blk, dst, idx_dst[, scales_blk, scale_dst, rope_dst])` for `plgpu` code
+    (memory warpgroup).
 
     cache: the pool's GMEM operand (fp8: uint8 bytes; bf16: [rows, 512]); src_blk: int32 [64], this
     block's sources; dst: the staging buffer (`*_stage`) or the K buffer [2, 64, 256] (`bf16_tile`);

@@ -11,8 +11,9 @@ Three modes decide how this package's kernels are traced:
   `pallas_kernels.availability_reason`).
 
 `active()` tells the kernel builders whether they are being traced for the interpreter, which
-lacks two things the GPU path uses (wgmma A operands in registers, storing into a wgmma
-accumulator, see `_kernel.py`); the builders then emit an equivalent formulation. The mode is
+lacks three things the GPU path uses (wgmma A operands in registers, storing into a wgmma
+accumulator, `plgpu.inline_mgpu`, which the gather in `_gather.py` is written with; see
+`_kernel.py`); the builders then emit an equivalent formulation. The mode is
 read at trace time and is not part of `jax.jit`'s cache key: trace a fresh function per mode.
 
 Caveat: the interpreter runs every warpgroup of a block as a host thread that blocks inside XLA

@@ -53,7 +53,8 @@ def num_splits_override(n: int | None):
 
 @contextlib.contextmanager
 def kernel_options(**options):
-    """Override `KernelSpec` fields (`qk_exchange`, `p_split`) of kernels traced inside (benchmarks)."""
+    """Override `KernelSpec` fields (`qk_exchange`, `p_split`, the timing-only `ablate`) of kernels traced
+    inside (benchmarks)."""
     prev = getattr(_override, "options", {})
     _override.options = {**prev, **options}
     try:

@@ -14,8 +14,9 @@ Variants: `default` (what `impl="pallas"` runs), `redundant_qk` (both compute wa
 contract all 512 dims instead of exchanging partial scores), `bf16_p` (a single bf16 P, the
 FlashMLA choice: faster, but misses the output tolerance on the project's test data; timing only),
 `splits=N` (forced split count); timing experiments that leave one stage out (wrong results):
-`no_copy` (no token copies), `no_compute` (compute warpgroups only wait and release the staging),
-`no_dequant` (the K tile is not rewritten). `--variants a,b --cases decode,prefill` picks them.
+`no_copy` (no token copies), `no_compute` (compute warpgroups only wait and release the buffer),
+`no_dequant` (fp8 kernels: the compute warpgroups do not rewrite the K tile; bf16-only kernels
+have no dequantization, so there it times the default). `--variants a,b --cases decode,prefill` picks them.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def test_kernel_spec_checks_and_smem():
     with pytest.raises(ValueError, match="ablate"):
         build_kernel(KernelSpec(pools=(bf16,), ablate="bogus", **base))
     with pytest.raises(ValueError, match="qk_exchange"):
-        build_kernel(KernelSpec(pools=(bf16,), ablate="no_compute", qk_exchange=False, **base))
+        build_kernel(KernelSpec(pools=(fp8,), ablate="no_compute", qk_exchange=False, **base))
     with pytest.raises(ValueError, match="kind"):
         _gather.issue_block("fp8_direct")
 
