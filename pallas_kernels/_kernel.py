@@ -167,8 +167,8 @@ def smem_bytes(spec: KernelSpec) -> int:
     if not spec.direct:
         stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
         total += al(stage)
-    if spec.has_fp8:  # scale factors; RoPE combiner (interpreter) or RoPE staging (GPU)
-        total += al(8 * T * 4) + (al(128 * 64 * 2) if spec.interpret else al(T * ROPE_PITCH * 2))
+    if spec.has_fp8:  # scale factors, RoPE rows
+        total += al(8 * T * 4) + al(T * ROPE_PITCH * 2)
     if spec.has_sink:
         total += al(HB * 4)
     if spec.qk_exchange:
