@@ -106,16 +106,15 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
         dst32 = _smem32(dst)
         lane16 = arith.muli(lane, _i32(16))
         lane16_64 = arith.extui(i64, lane16)
+        tid16 = arith.muli(tid, _i32(16))
+        tid16_64 = arith.extui(i64, tid16)
         # The block's sources for the compute warpgroups: 16 threads x 16 B.
         _cp16_if(arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, _i32(16))),
-                 arith.addi(_smem32(idx_dst), arith.muli(tid, _i32(16))),
-                 arith.addi(src64, arith.extui(i64, arith.muli(tid, _i32(16)))))
+                 arith.addi(_smem32(idx_dst), tid16), arith.addi(src64, tid16_64))
         if kind == "fp8_stage":
             rope32 = _smem32(fp8_refs[2])
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
-            tid16 = arith.muli(tid, _i32(16))
-            _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), arith.extui(i64, tid16)),
-                  _i32(16))
+            _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
         for k in range(_T // 4):
             tok = arith.addi(warp, _i32(4 * k))
             off = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))
@@ -138,20 +137,21 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
             else:
                 base = arith.muli(arith.select(valid, arith.extsi(i64, off), _i64(0)), _i64(1024))
                 g = arith.addi(cache64, base)
-                for h in range(2):  # chunk lane + 32 h of the row: dims [256 h + 8 lane, +8)
+                if kind == "bf16_stage":  # chunk `lane` of the row's half 0 in the staging row
+                    d0 = arith.addi(arith.addi(dst32, arith.muli(tok, _i32(pitch))), lane16)
+                else:
+                    # half 0: tile (tok // 8, lane // 8), line tok % 8, chunk (lane % 8) ^ (tok % 8)
+                    r = arith.andi(tok, _i32(7))
+                    tile = arith.addi(arith.muli(arith.shrui(tok, _i32(3)), _i32(4)), arith.shrui(lane, _i32(3)))
+                    q = arith.xori(arith.andi(lane, _i32(7)), r)
+                    d0 = arith.addi(dst32, arith.muli(tile, _i32(1024)))
+                    d0 = arith.addi(d0, arith.addi(arith.muli(r, _i32(128)), arith.muli(q, _i32(16))))
+                # half h (dims [256 h + 8 lane, +8)): 512 B further in a staging row, 32 KiB (the
+                # other K half) further in the tile
+                half_step = 512 if kind == "bf16_stage" else _T * 256 * 2
+                for h in range(2):
                     src = arith.addi(g, arith.addi(lane16_64, _i64(512 * h)))
-                    if kind == "bf16_stage":
-                        d = arith.addi(arith.addi(dst32, arith.muli(tok, _i32(pitch))),
-                                       arith.addi(lane16, _i32(512 * h)))
-                    else:
-                        # half h, tile (tok // 8, lane // 8), line tok % 8, chunk (lane % 8) ^ (tok % 8)
-                        r = arith.andi(tok, _i32(7))
-                        tile = arith.addi(arith.muli(arith.shrui(tok, _i32(3)), _i32(4)), arith.shrui(lane, _i32(3)))
-                        q = arith.xori(arith.andi(lane, _i32(7)), r)
-                        d = arith.addi(dst32, _i32(h * _T * 256 * 2))
-                        d = arith.addi(d, arith.muli(tile, _i32(1024)))
-                        d = arith.addi(d, arith.addi(arith.muli(r, _i32(128)), arith.muli(q, _i32(16))))
-                    _cp16(d, src, nbytes)
+                    _cp16(arith.addi(d0, _i32(half_step * h)), src, nbytes)
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
 
     return issue
