@@ -54,6 +54,21 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env build cuda-tests pallas-tests bench)
 status=0
 run() { "$@" || { echo "!!! failed ($?): $*"; status=1; }; }
+# ncu_cases IMPL KERNEL_REGEX PREFIX PRINT_SOURCE SOURCE_SUFFIX EXTRA_GREP [NCU_FLAGS...]: one Nsight
+# Compute report per case of $NCU_CASES for one impl, its details page and its per-instruction source page.
+ncu_cases() {
+  local impl=$1 kre=$2 pre=$3 psrc=$4 ssuf=$5 xgrep=$6; shift 6
+  for c in $(echo "${NCU_CASES:-decode_headline_h128}" | tr , ' '); do
+    run timeout 400 ncu --clock-control none --set full "$@" -k regex:"$kre" \
+      --launch-skip 1 --launch-count 1 -f -o "$OUT/${pre}_$c" $PY -m benchmarks.sparse_mla --cases "$c" --impls "$impl" \
+      --sets 1 --iterations 2 --timer wall --out "$OUT/${pre}_bench_$c" > "$OUT/${pre}_$c.log" 2>&1
+    tail -3 "$OUT/${pre}_$c.log"
+    ncu -i "$OUT/${pre}_$c.ncu-rep" --page details > "$OUT/${pre}_${c}_details.txt" 2>&1
+    ncu -i "$OUT/${pre}_$c.ncu-rep" --page source --csv --print-source "$psrc" > "$OUT/${pre}_${c}_${ssuf}.csv" 2>&1
+    grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Issued|Eligible|Registers|Bank$xgrep" \
+      "$OUT/${pre}_${c}_details.txt" | head -60
+  done
+}
 for s in "${stages[@]}"; do
   echo "=== $s $(date +%T)"
   case "$s" in
@@ -65,16 +80,7 @@ for s in "${stages[@]}"; do
     cuda-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_gpu.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -30 ;;
     pallas-ablation) run timeout 500 $PY -m pallas_kernels.bench --iters 5 --variants "${PALLAS_VARIANTS:-default,no_copy,no_compute,no_dequant,bf16_p}" \
         --cases "${ABL_CASES:-decode,prefill}" 2>&1 | tee "$OUT/pallas_ablation.log" | grep -v "^  (CUPTI" ;;
-    pallas-ncu)
-      for c in $(echo "${NCU_CASES:-decode_headline_h128}" | tr , ' '); do
-        run timeout 400 ncu --clock-control none --set full -k regex:"sparse_mla_kernel" \
-          --launch-skip 1 --launch-count 1 -f -o "$OUT/pncu_$c" $PY -m benchmarks.sparse_mla --cases "$c" --impls pallas \
-          --sets 1 --iterations 2 --timer wall --out "$OUT/pncu_bench_$c" > "$OUT/pncu_$c.log" 2>&1
-        tail -3 "$OUT/pncu_$c.log"
-        ncu -i "$OUT/pncu_$c.ncu-rep" --page details > "$OUT/pncu_${c}_details.txt" 2>&1
-        ncu -i "$OUT/pncu_$c.ncu-rep" --page source --csv --print-source sass > "$OUT/pncu_${c}_sass.csv" 2>&1
-        grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Issued|Eligible|Registers|Bank|Shared Memory" "$OUT/pncu_${c}_details.txt" | head -60
-      done ;;
+    pallas-ncu) ncu_cases pallas sparse_mla_kernel pncu sass sass "|Shared Memory" ;;
     pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
     model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
     bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
@@ -99,16 +105,7 @@ for s in "${stages[@]}"; do
         DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
           --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
       done ;;
-    ncu)
-      for c in $(echo "${NCU_CASES:-decode_headline_h128}" | tr , ' '); do
-        run timeout 400 ncu --clock-control none --set full --import-source yes -k regex:"dsv41_(decode|prefill)_kernel" \
-          --launch-skip 1 --launch-count 1 -f -o "$OUT/ncu_$c" $PY -m benchmarks.sparse_mla --cases "$c" --impls cuda \
-          --sets 1 --iterations 2 --timer wall --out "$OUT/ncu_bench_$c" > "$OUT/ncu_$c.log" 2>&1
-        tail -3 "$OUT/ncu_$c.log"
-        ncu -i "$OUT/ncu_$c.ncu-rep" --page details > "$OUT/ncu_${c}_details.txt" 2>&1
-        ncu -i "$OUT/ncu_$c.ncu-rep" --page source --csv --print-source sass,cuda > "$OUT/ncu_${c}_source.csv" 2>&1
-        grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Issued|Eligible|Registers|Bank" "$OUT/ncu_${c}_details.txt" | head -60
-      done ;;
+    ncu) ncu_cases cuda "dsv41_(decode|prefill)_kernel" ncu sass,cuda source "" --import-source yes ;;
     ncu-export)
       for r in ${NCU_REPORTS:-}; do
         b="$(basename "$r" .ncu-rep)"
