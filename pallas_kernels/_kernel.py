@@ -90,6 +90,7 @@ BF16_PITCH = 520  # bf16 elements; 1040 B = 260 words, likewise
 ROPE_PITCH = 72  # bf16 elements; 144 B = 36 words: the RoPE staging rows (GPU path), likewise
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+REG_BUDGET = 504  # registers per (memory, compute, compute) thread triple: 65536 // 384 rounded to 8, x 3
 _SMEM_LIMIT = 232448  # bytes of dynamic SMEM a Hopper CTA may use
 
 _TILE = plgpu.TilingTransform((8, 64))
@@ -121,6 +122,12 @@ class KernelSpec:
     # Timing experiments only (wrong results): "no_copy" (the memory warpgroup arrives without copying
     # tokens), "no_compute" (compute warpgroups only wait and release), "no_dequant" (K tile not rewritten).
     ablate: str = ""
+    # fp8 pools dequantized by the memory warpgroup straight into the K ring (False: staged in SMEM
+    # and dequantized by the compute warpgroups, the 8f294f1 kernel; kept for comparison)
+    fp8_direct: bool = True
+    # Registers per thread of the memory warpgroup (0: 56 when it dequantizes fp8 records, else 40);
+    # the compute warpgroups get the rest of the CTA's 504 (`registers`).
+    mem_regs: int = 0
 
     @property
     def head_groups(self) -> int:
@@ -140,8 +147,19 @@ class KernelSpec:
 
     @property
     def direct(self) -> bool:
-        """bf16 pools only: tokens are copied straight into the (double-buffered) swizzled K tile."""
-        return not self.has_fp8
+        """Tokens land straight in the (double-buffered) swizzled K tile: bf16 rows copied, fp8
+        records dequantized by the memory warpgroup (`fp8_direct`)."""
+        return not self.has_fp8 or self.fp8_direct
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        """(memory, compute) registers per thread for `setmaxnreg`.
+
+        A CTA of 384 threads is launched with 168 registers per thread, 504 per (memory + 2 compute)
+        thread triple; `setmaxnreg.inc` blocks until registers are free, so the three warpgroups must
+        not ask for more than 504 in all (64 + 224 + 224 = 512 hung the GPU). Multiples of 8."""
+        mem = self.mem_regs or (56 if self.has_fp8 and self.direct else 40)
+        return mem, (REG_BUDGET - mem) // 16 * 8
 
     @property
     def xbufs(self) -> int:
@@ -167,7 +185,7 @@ def smem_bytes(spec: KernelSpec) -> int:
     if not spec.direct:
         stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
         total += al(stage)
-    if spec.has_fp8:  # scale factors, RoPE rows
+    if spec.has_fp8 and not spec.direct:  # scale factors, RoPE rows
         total += al(8 * T * 4) + al(T * ROPE_PITCH * 2)
     if spec.has_sink:
         total += al(HB * 4)
@@ -193,6 +211,10 @@ def build_kernel(spec: KernelSpec):
     has_fp8, has_bf16, has_sink = spec.has_fp8, spec.has_bf16, spec.has_sink
     if spec.ablate not in ("", "no_copy", "no_compute", "no_dequant"):
         raise ValueError(f"ablate must be '', 'no_copy', 'no_compute' or 'no_dequant', got {spec.ablate!r}")
+    if spec.mem_regs and (spec.mem_regs % 8 or not 24 <= spec.mem_regs <= 120):
+        raise ValueError(f"mem_regs must be 0 (automatic) or a multiple of 8 in [24, 120], got {spec.mem_regs}")
+    if spec.ablate == "no_dequant" and spec.direct:
+        raise ValueError("ablate='no_dequant' applies to staged kernels (fp8_direct=False)")
     if spec.ablate == "no_compute" and not spec.qk_exchange and not spec.direct:
         raise ValueError("ablate='no_compute' needs qk_exchange=True (the k_free barrier would never complete)")
     if smem_bytes(spec) > _SMEM_LIMIT:
@@ -218,8 +240,8 @@ def build_kernel(spec: KernelSpec):
          a_smem, u_smem, ibar_idx, ibar) = scratch
         exchange = spec.qk_exchange
         direct, NB = spec.direct, spec.nbuf
-        if direct:
-            stage_u8 = stage_bf = None
+        if direct:  # the interpreter stages fp8 records for the memory warpgroup's dequantization
+            stage_u8, stage_bf = stage, None
         elif has_fp8 and has_bf16:
             stage_u8, stage_bf = stage
         elif has_fp8:
@@ -258,10 +280,11 @@ def build_kernel(spec: KernelSpec):
             """Pallas-level copies of block j into buffer b (the interpreter cannot run `_gather`)."""
             plgpu.copy_gmem_to_smem(src.at[row, pl.ds(j * T, T)], idx_smem.at[b], ibar_idx)
             plgpu.barrier_wait(ibar_idx)
+            # ibar counts T + 1 arrivals (staged) or 2 T + 1 (direct: two per token, one more)
             if fp8:
                 plgpu.copy_gmem_to_smem(scales.at[row, j], scale_smem, ibar)
-            elif not direct:
-                plgpu.barrier_arrive(ibar)  # staged barriers count T + 1 arrivals
+            else:
+                plgpu.barrier_arrive(ibar)
 
             @pl.loop(0, T)
             def _tok(i):
@@ -272,6 +295,8 @@ def build_kernel(spec: KernelSpec):
                     if fp8:
                         plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, FP8_RECORD)],
                                                 stage_u8.at[i, pl.ds(0, FP8_RECORD)], ibar)
+                        if direct:
+                            plgpu.barrier_arrive(ibar)
                     elif direct:
                         for h in range(2):
                             plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, 1), pl.ds(h * HALF, HALF)],
@@ -282,7 +307,10 @@ def build_kernel(spec: KernelSpec):
 
                 @pl.when(off < 0)
                 def _skip():
-                    if direct:  # a masked row of the K tile must be 0 (it feeds the wgmmas unselected)
+                    if direct and fp8:
+                        plgpu.barrier_arrive(ibar)
+                        plgpu.barrier_arrive(ibar)
+                    elif direct:  # a masked row of the K tile must be 0 (it feeds the wgmmas unselected)
                         for h in range(2):
                             k_smem.at[b, h, pl.ds(i, 1)][...] = jnp.zeros((1, HALF), jnp.bfloat16)
                             plgpu.barrier_arrive(ibar)
@@ -290,10 +318,20 @@ def build_kernel(spec: KernelSpec):
                         plgpu.barrier_arrive(ibar)
 
             plgpu.barrier_wait(ibar)
+            if direct and fp8:  # the memory warpgroup dequantizes both halves into the K ring
+                idx_row = plgpu.load(idx_smem.at[b], layout=_ROW)
+                vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0])
+                for h in range(2):
+                    _dequant_fp8(h, stage_u8, scale_smem, w_smem, k_smem.at[b], vrow, u_smem)
+
+        mem_regs, compute_regs = spec.registers
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(mem_regs, action="decrease")
+            if has_fp8 and direct and spec.interpret:
+                w_smem[...] = _rope_combiner()
+                plgpu.commit_smem()
             plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(h0, HB), pl.ds(0, HALF)], q_smem.at[0], q_bar)
             plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(h0, HB), pl.ds(HALF, HALF)], q_smem.at[1], q_bar)
             if has_sink:
@@ -311,7 +349,7 @@ def build_kernel(spec: KernelSpec):
             for p, pspec in enumerate(spec.pools):
                 cache, src, scales = pool_refs[p]
                 fp8 = pspec.fmt == "fp8_ds_mla"
-                kind = "fp8_stage" if fp8 else ("bf16_tile" if direct else "bf16_stage")
+                kind = ("fp8_tile" if direct else "fp8_stage") if fp8 else ("bf16_tile" if direct else "bf16_stage")
 
                 def blk(j, n, cache=cache, src=src, scales=scales, fp8=fp8, kind=kind):
                     b = buf(n)
@@ -333,7 +371,12 @@ def build_kernel(spec: KernelSpec):
                         fill_interpret(j, b, cache, src, scales, fp8)
                     elif spec.ablate != "no_copy":
                         dst = k_smem.at[b] if direct else (stage_u8 if fp8 else stage_bf)
-                        extra = (scales.at[row, j], scale_smem, w_smem) if fp8 else ()
+                        if fp8 and direct:
+                            extra = (scales.at[row, j],)
+                        elif fp8:
+                            extra = (scales.at[row, j], scale_smem, w_smem)
+                        else:
+                            extra = ()
                         _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2)(
                             cache, src.at[row, pl.ds(j * T, T)], dst, idx_smem.at[b], *extra)
                     if NB == 1:
@@ -355,8 +398,8 @@ def build_kernel(spec: KernelSpec):
 
         # ----------------------------------------------------------------- compute warpgroups
         def compute(w: int):
-            plgpu.set_max_registers(232, action="increase")
-            if has_fp8 and w == 1 and spec.interpret:
+            plgpu.set_max_registers(compute_regs, action="increase")
+            if has_fp8 and w == 1 and spec.interpret and not direct:
                 w_smem[...] = _rope_combiner()
                 plgpu.commit_smem()
             plgpu.barrier_wait(q_bar)
@@ -541,6 +584,9 @@ def build_kernel(spec: KernelSpec):
 
     NB = spec.nbuf
     stage = None
+    interp_fp8_direct = spec.direct and has_fp8 and spec.interpret
+    if interp_fp8_direct:
+        stage = plgpu.SMEM((T, FP8_PITCH), jnp.uint8)
     if not spec.direct:
         stage_types = []
         if has_fp8:
@@ -553,12 +599,13 @@ def build_kernel(spec: KernelSpec):
         plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # Q halves
         plgpu.SMEM((NB, 2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves (ring)
         stage,
-        plgpu.SMEM((8, T), jnp.float32) if has_fp8 else None,  # per-group scale factors of the block
+        # per-group scale factors of the block (staged kernels, and the interpreter's fp8 dequantization)
+        plgpu.SMEM((8, T), jnp.float32) if has_fp8 and (not spec.direct or spec.interpret) else None,
         plgpu.SMEM((NB, T), jnp.int32),  # the block's sources (ring)
         # fp8: the RoPE combiner (interpreter) or the RoPE staging rows (GPU: the gather copies a
         # record's RoPE bytes here, where they read as the bf16 values they are)
         (plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret
-         else plgpu.SMEM((T, ROPE_PITCH), jnp.bfloat16)) if has_fp8 else None,
+         else plgpu.SMEM((T, ROPE_PITCH), jnp.bfloat16)) if has_fp8 and (spec.interpret or not spec.direct) else None,
         plgpu.SMEM((HB,), jnp.float32) if has_sink else None,
         plgpu.Barrier(num_arrivals=3 if has_sink else 2),  # q_bar
         plgpu.Barrier(num_arrivals=1, num_barriers=NB),  # full: the memory warpgroup published a block
@@ -577,7 +624,7 @@ def build_kernel(spec: KernelSpec):
         plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret and has_fp8 else None,
         # interpreter only: the Pallas-level gather's own barriers (sources; one arrival per copy)
         plgpu.Barrier(num_arrivals=1) if spec.interpret else None,
-        plgpu.Barrier(num_arrivals=2 * T if spec.direct else T + 1) if spec.interpret else None,
+        plgpu.Barrier(num_arrivals=2 * T + 1 if spec.direct else T + 1) if spec.interpret else None,
     )
     if spec.final:
         out_type = (jax.ShapeDtypeStruct((R, Hp, D), jnp.bfloat16),

@@ -162,9 +162,11 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits):
     spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
                       softmax_scale=float(softmax_scale), has_sink=sink is not None,
                       interpret=_interpret.active())
-    if smem_bytes(spec) > _SMEM_LIMIT:  # bf16 + fp8 pools: no room for the score exchange buffer
+    options = getattr(_override, "options", {})
+    spec = dataclasses.replace(spec, **options)
+    if smem_bytes(spec) > _SMEM_LIMIT and "qk_exchange" not in options:
+        # staged bf16 + fp8 pools (fp8_direct=False): no room for the score exchange buffers
         spec = dataclasses.replace(spec, qk_exchange=False)
-    spec = dataclasses.replace(spec, **getattr(_override, "options", {}))
     args = [q_rows, counts]
     sink_p = None
     if sink is not None:

@@ -221,22 +221,35 @@ def test_kernel_spec_checks_and_smem():
 
     fp8, bf16 = PoolSpec("fp8_ds_mla", 128), PoolSpec("bf16", 128)
     base = dict(rows=2, heads=64, num_splits=1, softmax_scale=0.1, has_sink=True, interpret=False)
-    staged = KernelSpec(pools=(fp8, fp8), **base)
+    staged = KernelSpec(pools=(fp8, fp8), fp8_direct=False, **base)
     direct = KernelSpec(pools=(bf16,), **base)
-    assert not staged.direct and staged.nbuf == 1 and staged.xbufs == 2
-    assert direct.direct and direct.nbuf == 2 and direct.xbufs == 1
-    for spec in (staged, direct, KernelSpec(pools=(bf16, fp8), qk_exchange=False, **base)):
-        assert smem_bytes(spec) <= _SMEM_LIMIT, (spec, smem_bytes(spec))
-        build_kernel(spec)
-    # a bf16 + fp8 call has no room for the exchange buffers: _ops turns the exchange off
+    fp8_direct = KernelSpec(pools=(fp8, fp8), **base)
     mixed = KernelSpec(pools=(bf16, fp8), **base)
-    assert smem_bytes(mixed) > _SMEM_LIMIT
+    assert not staged.direct and staged.nbuf == 1 and staged.xbufs == 2
+    for spec in (direct, fp8_direct, mixed):
+        assert spec.direct and spec.nbuf == 2 and spec.xbufs == 1
+    # setmaxnreg: the three warpgroups together never ask for more than the CTA's 504 registers
+    assert staged.registers == (40, 232) and direct.registers == (40, 232)
+    assert fp8_direct.registers == (56, 224) and mixed.registers == (56, 224)
+    assert KernelSpec(pools=(fp8,), mem_regs=72, **base).registers == (72, 216)
+    for spec in (staged, direct, fp8_direct, mixed, KernelSpec(pools=(bf16, fp8), fp8_direct=False,
+                                                                 qk_exchange=False, **base)):
+        assert smem_bytes(spec) <= _SMEM_LIMIT, (spec, smem_bytes(spec))
+        assert spec.registers[0] + 2 * spec.registers[1] <= 504 and spec.registers[1] % 8 == 0
+        build_kernel(spec)
+    # a staged bf16 + fp8 call has no room for the exchange buffers: _ops turns the exchange off
+    mixed_staged = KernelSpec(pools=(bf16, fp8), fp8_direct=False, **base)
+    assert smem_bytes(mixed_staged) > _SMEM_LIMIT
     with pytest.raises(ValueError, match="SMEM"):
-        build_kernel(mixed)
+        build_kernel(mixed_staged)
+    with pytest.raises(ValueError, match="mem_regs"):
+        build_kernel(KernelSpec(pools=(fp8,), mem_regs=60, **base))
+    with pytest.raises(ValueError, match="fp8_direct"):
+        build_kernel(KernelSpec(pools=(fp8,), ablate="no_dequant", **base))
     with pytest.raises(ValueError, match="ablate"):
         build_kernel(KernelSpec(pools=(bf16,), ablate="bogus", **base))
     with pytest.raises(ValueError, match="qk_exchange"):
-        build_kernel(KernelSpec(pools=(fp8,), ablate="no_compute", qk_exchange=False, **base))
+        build_kernel(KernelSpec(pools=(fp8,), fp8_direct=False, ablate="no_compute", qk_exchange=False, **base))
     with pytest.raises(ValueError, match="kind"):
         _gather.issue_block("fp8_direct")
 
