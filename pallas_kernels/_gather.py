@@ -39,7 +39,6 @@ from jaxlib.mlir.dialects import arith, llvm
 __all__ = ["issue_block", "wait_groups"]
 
 _T = 64
-_BATCH = 4  # fp8_tile: tokens per warp whose loads are in flight together (registers: ~9 each)
 
 
 def _i32(v):
@@ -105,7 +104,7 @@ def _cp16_if(pred, dst32, src64, nbytes32=None):
                     "r,r,l,r", has_side_effects=True)
 
 
-def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
+def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, batch: int = 4):
     """Returns `f(cache, src_blk, dst, idx_dst[, scales_blk, scale_dst, rope_dst])` for `plgpu` code
     (memory warpgroup).
 
@@ -143,7 +142,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
             _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
         if kind == "fp8_tile":
-            _dequant_tile(fp8_refs[0], cache64, src64, dst32, lane, warp)
+            _dequant_tile(fp8_refs[0], cache64, src64, dst32, lane, warp, batch)
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
             return
         for k in range(_T // 4):
@@ -199,7 +198,7 @@ def _tile_dst(dst32, h, tok, lane):
     return arith.addi(d, arith.addi(arith.muli(r, _i32(128)), arith.muli(q, _i32(16))))
 
 
-def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp):
+def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp, batch):
     """fp8_ds_mla records of the block -> bf16 rows of the K buffer, in registers.
 
     Warp w takes tokens w, w + 4, ...; lane l produces chunk l of half 0 (NoPE dims 8 l.., record
@@ -207,7 +206,7 @@ def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp):
     4 + l // 8) for l < 24, else the RoPE dims 448 + 8 (l - 24), whose 16 record bytes at
     448 + 16 (l - 24) are already bf16. Scale factors: f32 [8 groups, 64 tokens] (XLA, 0 when
     masked). Masked tokens store zeros (their loads read the cache's first record, then discarded).
-    Tokens go in batches of four so that their loads are in flight together."""
+    Tokens go in batches of `batch` per warp whose loads are in flight together."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
@@ -226,14 +225,14 @@ def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp):
     s0_off = arith.muli(g0, _i32(256))  # group g0's row of the scale block (64 f32)
     s1_off = arith.muli(arith.addi(g0, _i32(4)), _i32(256))
     zero = _i32(0)
-    def sources(batch):
-        toks = [arith.addi(warp, _i32(4 * k)) for k in range(batch, batch + _BATCH)]
+    def sources(first):
+        toks = [arith.addi(warp, _i32(4 * k)) for k in range(first, first + batch)]
         return toks, [_ld(1, arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))[0] for tok in toks]
 
     # One batch's sources ahead (all 16 at once would not fit the memory warpgroup's registers), so
     # that a batch's record loads do not wait for its source loads.
     nxt = sources(0)
-    for batch in range(0, _T // 4, _BATCH):
+    for first in range(0, _T // 4, batch):
         toks, offs = nxt
         loaded = []
         for tok, off in zip(toks, offs):
@@ -245,8 +244,8 @@ def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp):
             d0 = _ld(2, arith.addi(rec, o0))
             d1 = _ld(4, arith.addi(rec, o1))
             loaded.append((tok, valid, sc0, sc1, d0, d1))
-        if batch + _BATCH < _T // 4:
-            nxt = sources(batch + _BATCH)
+        if first + batch < _T // 4:
+            nxt = sources(first + batch)
         for tok, valid, sc0, sc1, d0, d1 in loaded:
             def conv(word, sc):
                 lo = arith.trunci(i16, word)

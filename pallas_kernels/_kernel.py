@@ -128,6 +128,8 @@ class KernelSpec:
     # Registers per thread of the memory warpgroup (0: 56 when it dequantizes fp8 records, else 40);
     # the compute warpgroups get the rest of the CTA's 504 (`registers`).
     mem_regs: int = 0
+    # fp8 records per warp whose loads the memory warpgroup keeps in flight together (direct mode, GPU)
+    fp8_batch: int = 4
 
     @property
     def head_groups(self) -> int:
@@ -213,6 +215,8 @@ def build_kernel(spec: KernelSpec):
         raise ValueError(f"ablate must be '', 'no_copy', 'no_compute' or 'no_dequant', got {spec.ablate!r}")
     if spec.mem_regs and (spec.mem_regs % 8 or not 24 <= spec.mem_regs <= 120):
         raise ValueError(f"mem_regs must be 0 (automatic) or a multiple of 8 in [24, 120], got {spec.mem_regs}")
+    if spec.fp8_batch not in (1, 2, 4, 8):
+        raise ValueError(f"fp8_batch must be 1, 2, 4 or 8, got {spec.fp8_batch}")
     if spec.ablate == "no_dequant" and spec.direct:
         raise ValueError("ablate='no_dequant' applies to staged kernels (fp8_direct=False)")
     if spec.ablate == "no_compute" and not spec.qk_exchange and not spec.direct:
@@ -377,7 +381,7 @@ def build_kernel(spec: KernelSpec):
                             extra = (scales.at[row, j], scale_smem, w_smem)
                         else:
                             extra = ()
-                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2)(
+                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2, spec.fp8_batch)(
                             cache, src.at[row, pl.ds(j * T, T)], dst, idx_smem.at[b], *extra)
                     if NB == 1:
                         publish(b)
