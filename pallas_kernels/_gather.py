@@ -59,15 +59,17 @@ def _smem32(ref):
     return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgu.memref_ptr(ref))
 
 
-def _ld(n, addr64):
-    """`n` (1, 2 or 4) 32-bit words from global memory (non-coherent path) as i32 values."""
+def _ld(n, addr64, volatile=False):
+    """`n` (1, 2 or 4) 32-bit words from global memory as i32 values: the non-coherent path, or
+    `volatile` (ptxas keeps volatile accesses in program order: see `_dequant_tile`)."""
     i32 = ir.IntegerType.get_signless(32)
+    op = "ld.volatile.global" if volatile else "ld.global.nc"
     if n == 1:
-        return [llvm.inline_asm(i32, [addr64], "ld.global.nc.b32 $0, [$1];", "=r,l", has_side_effects=True)]
+        return [llvm.inline_asm(i32, [addr64], f"{op}.b32 $0, [$1];", "=r,l", has_side_effects=True)]
     ty = ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>")
     outs = ", ".join(f"${k}" for k in range(n))
     cons = ",".join(["=r"] * n) + ",l"
-    st = llvm.inline_asm(ty, [addr64], f"ld.global.nc.v{n}.b32 {{{outs}}}, [${n}];", cons, has_side_effects=True)
+    st = llvm.inline_asm(ty, [addr64], f"{op}.v{n}.b32 {{{outs}}}, [${n}];", cons, has_side_effects=True)
     return [llvm.extractvalue(i32, st, [k]) for k in range(n)]
 
 
@@ -86,7 +88,7 @@ def _e4m3x2_to_bf16x2(pair16, scale):
 
 
 def _st_v4(dst32, words):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst32, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst32, *words], "st.volatile.shared.v4.b32 [$0], {$1, $2, $3, $4};",
                     "r,r,r,r,r", has_side_effects=True)
 
 
@@ -227,7 +229,7 @@ def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp, batch):
     zero = _i32(0)
     def sources(first):
         toks = [arith.addi(warp, _i32(4 * k)) for k in range(first, first + batch)]
-        return toks, [_ld(1, arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))[0] for tok in toks]
+        return toks, [_ld(1, arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))), True)[0] for tok in toks]
 
     # One batch's sources ahead (all 16 at once would not fit the memory warpgroup's registers), so
     # that a batch's record loads do not wait for its source loads.
@@ -239,10 +241,10 @@ def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp, batch):
             valid = arith.cmpi(arith.CmpIPredicate.sge, off, zero)
             rec = arith.addi(cache64, arith.select(valid, arith.extsi(i64, off), _i64(0)))
             tok4 = arith.muli(tok, _i32(4))
-            sc0 = _ld(1, arith.addi(sc64, arith.extui(i64, arith.addi(s0_off, tok4))))[0]
-            sc1 = _ld(1, arith.addi(sc64, arith.extui(i64, arith.addi(s1_off, tok4))))[0]
-            d0 = _ld(2, arith.addi(rec, o0))
-            d1 = _ld(4, arith.addi(rec, o1))
+            sc0 = _ld(1, arith.addi(sc64, arith.extui(i64, arith.addi(s0_off, tok4))), True)[0]
+            sc1 = _ld(1, arith.addi(sc64, arith.extui(i64, arith.addi(s1_off, tok4))), True)[0]
+            d0 = _ld(2, arith.addi(rec, o0), True)
+            d1 = _ld(4, arith.addi(rec, o1), True)
             loaded.append((tok, valid, sc0, sc1, d0, d1))
         if first + batch < _T // 4:
             nxt = sources(first + batch)
