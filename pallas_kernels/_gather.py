@@ -59,18 +59,9 @@ def _smem32(ref):
     return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgu.memref_ptr(ref))
 
 
-def _ld(n, addr64, volatile=False):
-    """`n` (1, 2 or 4) 32-bit words from global memory as i32 values: the non-coherent path, or
-    `volatile` (ptxas keeps volatile accesses in program order: see `_dequant_tile`)."""
-    i32 = ir.IntegerType.get_signless(32)
-    op = "ld.volatile.global" if volatile else "ld.global.nc"
-    if n == 1:
-        return [llvm.inline_asm(i32, [addr64], f"{op}.b32 $0, [$1];", "=r,l", has_side_effects=True)]
-    ty = ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>")
-    outs = ", ".join(f"${k}" for k in range(n))
-    cons = ",".join(["=r"] * n) + ",l"
-    st = llvm.inline_asm(ty, [addr64], f"{op}.v{n}.b32 {{{outs}}}, [${n}];", cons, has_side_effects=True)
-    return [llvm.extractvalue(i32, st, [k]) for k in range(n)]
+def _ld_b32(addr64):
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [addr64], "ld.global.nc.b32 $0, [$1];", "=r,l",
+                           has_side_effects=True)
 
 
 def _e4m3x2_to_bf16x2(pair16, scale):
@@ -88,7 +79,7 @@ def _e4m3x2_to_bf16x2(pair16, scale):
 
 
 def _st_v4(dst32, words):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst32, *words], "st.volatile.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst32, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
                     "r,r,r,r,r", has_side_effects=True)
 
 
@@ -106,7 +97,7 @@ def _cp16_if(pred, dst32, src64, nbytes32=None):
                     "r,r,l,r", has_side_effects=True)
 
 
-def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, batch: int = 4):
+def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
     """Returns `f(cache, src_blk, dst, idx_dst[, scales_blk, scale_dst, rope_dst])` for `plgpu` code
     (memory warpgroup).
 
@@ -117,7 +108,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, batch: int = 4):
     """
     if kind not in ("fp8_stage", "bf16_stage", "bf16_tile", "fp8_tile"):
         raise ValueError(f"kind must be fp8_stage, bf16_stage, bf16_tile or fp8_tile, got {kind!r}")
-    types = [plgpu.RefType()] * {"fp8_stage": 7, "fp8_tile": 5}.get(kind, 4)
+    types = [plgpu.RefType()] * {"fp8_stage": 7, "fp8_tile": 6}.get(kind, 4)
     if kind in ("bf16_tile", "fp8_tile"):  # the K ring buffer carries the kernel's tiling and swizzle
         types[2] = plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
@@ -144,12 +135,13 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, batch: int = 4):
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
             _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
         if kind == "fp8_tile":
-            _dequant_tile(fp8_refs[0], cache64, src64, dst32, lane, warp, batch)
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
+            # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread; then the records
+            _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
+            _fp8_in_place(cache64, src64, dst32, _smem32(fp8_refs[1]), lane, warp)
             return
         for k in range(_T // 4):
             tok = arith.addi(warp, _i32(4 * k))
-            off = _ld(1, arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))[0]
+            off = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))
             valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
             nbytes = arith.select(valid, _i32(16), _i32(0))
             if kind == "fp8_stage":
@@ -189,80 +181,108 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, batch: int = 4):
     return issue
 
 
-def _tile_dst(dst32, h, tok, lane):
-    """Shared address of chunk `lane` (dims 8 lane .. 8 lane + 7 of half h) of row `tok` of a K buffer
-    [2, 64, 256] bf16: (8, 64) tiles of 1 KiB, 128-byte swizzle (16-byte chunk q of line r at q ^ (r % 8))."""
+def _chunk(dst32, h, tok, c):
+    """Shared address of 16-byte chunk `c` (dims 8 c .. 8 c + 7 of half h) of row `tok` of a K buffer
+    [2, 64, 256] bf16: (8, 64) tiles of 1 KiB, 128-byte swizzle (chunk q of line r at q ^ (r % 8))."""
     r = arith.andi(tok, _i32(7))
-    tile = arith.addi(arith.muli(arith.shrui(tok, _i32(3)), _i32(4)), arith.shrui(lane, _i32(3)))
-    q = arith.xori(arith.andi(lane, _i32(7)), r)
+    tile = arith.addi(arith.muli(arith.shrui(tok, _i32(3)), _i32(4)), arith.shrui(c, _i32(3)))
+    q = arith.xori(arith.andi(c, _i32(7)), r)
     d = arith.addi(dst32, _i32(h * _T * 256 * 2))
     d = arith.addi(d, arith.muli(tile, _i32(1024)))
     return arith.addi(d, arith.addi(arith.muli(r, _i32(128)), arith.muli(q, _i32(16))))
 
 
-def _dequant_tile(scales_ref, cache64, src64, dst32, lane, warp, batch):
-    """fp8_ds_mla records of the block -> bf16 rows of the K buffer, in registers.
+def _shfl(value, src_lane):
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [value, src_lane],
+                           "shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", has_side_effects=True)
 
-    Warp w takes tokens w, w + 4, ...; lane l produces chunk l of half 0 (NoPE dims 8 l.., record
-    bytes 8 l.., group l // 8) and chunk l of half 1: NoPE dims 256 + 8 l (bytes 256 + 8 l, group
-    4 + l // 8) for l < 24, else the RoPE dims 448 + 8 (l - 24), whose 16 record bytes at
-    448 + 16 (l - 24) are already bf16. Scale factors: f32 [8 groups, 64 tokens] (XLA, 0 when
-    masked). Masked tokens store zeros (their loads read the cache's first record, then discarded).
-    Tokens go in batches of `batch` per warp whose loads are in flight together."""
+
+def _lds(n, addr32):
+    """`n` (1 or 2) 32-bit words from shared memory."""
+    i32 = ir.IntegerType.get_signless(32)
+    if n == 1:
+        return [llvm.inline_asm(i32, [addr32], "ld.shared.b32 $0, [$1];", "=r,r", has_side_effects=True)]
+    ty = ir.Type.parse("!llvm.struct<(i32, i32)>")
+    st = llvm.inline_asm(ty, [addr32], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", has_side_effects=True)
+    return [llvm.extractvalue(i32, st, [k]) for k in range(2)]
+
+
+def _st_v4_if(pred, dst32, words):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, *words],
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p st.shared.v4.b32 [$1], {$2, $3, $4, $5};\n}",
+                    "r,r,r,r,r,r", has_side_effects=True)
+
+
+def _warp_sync():
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.warp.sync -1;", "", has_side_effects=True)
+
+
+def _fp8_in_place(cache64, src64, dst32, sc_smem32, lane, warp):
+    """fp8_ds_mla records of the block -> bf16 rows of the K buffer, converted in place.
+
+    Warp w takes tokens w, w + 4, ... . Copies (`cp.async`, so that all 64 records are in flight
+    without holding registers): record chunk c < 28 (NoPE bytes 16 c ..) into chunk c of the
+    token's own half-0 row (the row's bf16 output covers it, and no other token writes there); the
+    8 RoPE chunks (bf16 already) straight to their place, chunks 24..31 of half 1. Masked tokens
+    zero-fill (and convert to 0). Then, once every copy has landed, each warp converts its tokens
+    one at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and, for l < 24,
+    of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of the raw bytes
+    precede the writes that overwrite them), and lane l writes chunk l of both halves
+    (x * 2^(e - 127), the f32 scale row from SMEM, rounded once to bf16)."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
     f32 = ir.F32Type.get()
-    sc64 = _addr64(scales_ref)
+    lane16_64 = arith.extui(i64, arith.muli(lane, _i32(16)))
+    # lane l (mod 16) holds the source of token w + 4 (l % 16)
+    my_tok = arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4)))
+    offs = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(my_tok, _i32(4)))))
+    nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
+    tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
+    for k in range(_T // 4):
+        tok = arith.addi(warp, _i32(4 * k))
+        off = _shfl(offs, _i32(k))
+        valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
+        nbytes = arith.select(valid, _i32(16), _i32(0))
+        g = arith.addi(cache64, arith.select(valid, arith.extsi(i64, off), _i64(0)))
+        # chunk `lane` of the record: NoPE to half 0 chunk `lane`, RoPE chunks 0..3 to half 1 chunks 24..27
+        d = arith.select(nope, _chunk(dst32, 0, tok, lane), _chunk(dst32, 1, tok, arith.subi(lane, _i32(4))))
+        _cp16(d, arith.addi(g, lane16_64), nbytes)
+        # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
+        _cp16_if(tail, _chunk(dst32, 1, tok, arith.addi(lane, _i32(28))),
+                 arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.wait_group 0;", "", has_side_effects=True)
+    mgu.warpgroup_barrier()  # every thread's copies (records, scale rows) visible to the warpgroup
+
+    half = arith.shrui(lane, _i32(1))
+    sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))  # the lane's 8 bytes within the 16-byte chunk
+    low = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(24))
     g0 = arith.shrui(lane, _i32(3))
-    rope = arith.cmpi(arith.CmpIPredicate.uge, lane, _i32(24))
-    # record byte offsets of this lane's loads (every load 8- or 16-byte aligned and inside the
-    # 576-byte record): half 0's 8 NoPE bytes at 8 l; half 1 one 16-byte load: for l < 24 the aligned
-    # 16 bytes holding NoPE bytes 256 + 8 l (words 0-1 for even l, 2-3 for odd l), for l >= 24 the
-    # RoPE bytes at 16 l + 64
-    o0 = arith.extui(i64, arith.muli(lane, _i32(8)))
-    o1 = arith.extui(i64, arith.select(rope, arith.addi(arith.muli(lane, _i32(16)), _i32(64)),
-                                       arith.addi(arith.muli(arith.shrui(lane, _i32(1)), _i32(16)), _i32(256))))
-    odd = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(lane, _i32(1)), _i32(0))
-    s0_off = arith.muli(g0, _i32(256))  # group g0's row of the scale block (64 f32)
-    s1_off = arith.muli(arith.addi(g0, _i32(4)), _i32(256))
-    zero = _i32(0)
-    def sources(first):
-        toks = [arith.addi(warp, _i32(4 * k)) for k in range(first, first + batch)]
-        return toks, [_ld(1, arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))), True)[0] for tok in toks]
+    s0_off = arith.addi(sc_smem32, arith.muli(g0, _i32(256)))  # group g0's scale row (64 f32)
+    s1_off = arith.addi(sc_smem32, arith.muli(arith.addi(g0, _i32(4)), _i32(256)))
+    # half 1's bytes 256 + 8 l sit in chunk 16 + l // 2 (lanes >= 24 read chunk 16 + 12..15 and discard)
+    c1 = arith.addi(half, _i32(16))
+    low32 = arith.extui(i32, low)
 
-    # One batch's sources ahead (all 16 at once would not fit the memory warpgroup's registers), so
-    # that a batch's record loads do not wait for its source loads.
-    nxt = sources(0)
-    for first in range(0, _T // 4, batch):
-        toks, offs = nxt
-        loaded = []
-        for tok, off in zip(toks, offs):
-            valid = arith.cmpi(arith.CmpIPredicate.sge, off, zero)
-            rec = arith.addi(cache64, arith.select(valid, arith.extsi(i64, off), _i64(0)))
-            tok4 = arith.muli(tok, _i32(4))
-            sc0 = _ld(1, arith.addi(sc64, arith.extui(i64, arith.addi(s0_off, tok4))), True)[0]
-            sc1 = _ld(1, arith.addi(sc64, arith.extui(i64, arith.addi(s1_off, tok4))), True)[0]
-            d0 = _ld(2, arith.addi(rec, o0), True)
-            d1 = _ld(4, arith.addi(rec, o1), True)
-            loaded.append((tok, valid, sc0, sc1, d0, d1))
-        if first + batch < _T // 4:
-            nxt = sources(first + batch)
-        for tok, valid, sc0, sc1, d0, d1 in loaded:
-            def conv(word, sc):
-                lo = arith.trunci(i16, word)
-                hi = arith.trunci(i16, arith.shrui(word, _i32(16)))
-                f = llvm.bitcast(f32, sc)
-                return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
+    def conv(word, sc):
+        f = llvm.bitcast(f32, sc)
+        lo = arith.trunci(i16, word)
+        hi = arith.trunci(i16, arith.shrui(word, _i32(16)))
+        return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
 
-            w0 = conv(d0[0], sc0) + conv(d0[1], sc0)
-            n0, n1 = arith.select(odd, d1[2], d1[0]), arith.select(odd, d1[3], d1[1])
-            w1n = conv(n0, sc1) + conv(n1, sc1)
-            w1 = [arith.select(rope, d1[k], w1n[k]) for k in range(4)]
-            w0 = [arith.select(valid, x, zero) for x in w0]
-            w1 = [arith.select(valid, x, zero) for x in w1]
-            _st_v4(_tile_dst(dst32, 0, tok, lane), w0)
-            _st_v4(_tile_dst(dst32, 1, tok, lane), w1)
+    for k in range(_T // 4):
+        tok = arith.addi(warp, _i32(4 * k))
+        tok4 = arith.muli(tok, _i32(4))
+        r0 = _lds(2, arith.addi(_chunk(dst32, 0, tok, half), sub))
+        r1 = _lds(2, arith.addi(_chunk(dst32, 0, tok, c1), sub))
+        sc0 = _lds(1, arith.addi(s0_off, tok4))[0]
+        sc1 = _lds(1, arith.addi(s1_off, tok4))[0]
+        _warp_sync()  # the token's raw bytes are read before any lane overwrites them
+        w0 = conv(r0[0], sc0) + conv(r0[1], sc0)
+        w1 = conv(r1[0], sc1) + conv(r1[1], sc1)
+        _st_v4(_chunk(dst32, 0, tok, lane), w0)
+        _st_v4_if(low32, _chunk(dst32, 1, tok, lane), w1)
 
 
 def wait_groups(pending: int):

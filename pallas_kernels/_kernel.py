@@ -125,11 +125,9 @@ class KernelSpec:
     # fp8 pools dequantized by the memory warpgroup straight into the K ring (False: staged in SMEM
     # and dequantized by the compute warpgroups, the 8f294f1 kernel; kept for comparison)
     fp8_direct: bool = True
-    # Registers per thread of the memory warpgroup (0: 56 when it dequantizes fp8 records, else 40);
+    # Registers per thread of the memory warpgroup (0: 40, timing experiments may change it);
     # the compute warpgroups get the rest of the CTA's 504 (`registers`).
     mem_regs: int = 0
-    # fp8 records per warp whose loads the memory warpgroup keeps in flight together (direct mode, GPU)
-    fp8_batch: int = 4
 
     @property
     def head_groups(self) -> int:
@@ -160,7 +158,7 @@ class KernelSpec:
         A CTA of 384 threads is launched with 168 registers per thread, 504 per (memory + 2 compute)
         thread triple; `setmaxnreg.inc` blocks until registers are free, so the three warpgroups must
         not ask for more than 504 in all (64 + 224 + 224 = 512 hung the GPU). Multiples of 8."""
-        mem = self.mem_regs or (56 if self.has_fp8 and self.direct else 40)
+        mem = self.mem_regs or 40
         return mem, (REG_BUDGET - mem) // 16 * 8
 
     @property
@@ -187,8 +185,8 @@ def smem_bytes(spec: KernelSpec) -> int:
     if not spec.direct:
         stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
         total += al(stage)
-    if spec.has_fp8 and not spec.direct:  # scale factors, RoPE rows
-        total += al(8 * T * 4) + al(T * ROPE_PITCH * 2)
+    if spec.has_fp8:  # scale factors; staged: RoPE rows
+        total += al(8 * T * 4) + (0 if spec.direct else al(T * ROPE_PITCH * 2))
     if spec.has_sink:
         total += al(HB * 4)
     if spec.qk_exchange:
@@ -215,8 +213,6 @@ def build_kernel(spec: KernelSpec):
         raise ValueError(f"ablate must be '', 'no_copy', 'no_compute' or 'no_dequant', got {spec.ablate!r}")
     if spec.mem_regs and (spec.mem_regs % 8 or not 24 <= spec.mem_regs <= 120):
         raise ValueError(f"mem_regs must be 0 (automatic) or a multiple of 8 in [24, 120], got {spec.mem_regs}")
-    if spec.fp8_batch not in (1, 2, 4, 8):
-        raise ValueError(f"fp8_batch must be 1, 2, 4 or 8, got {spec.fp8_batch}")
     if spec.ablate == "no_dequant" and spec.direct:
         raise ValueError("ablate='no_dequant' applies to staged kernels (fp8_direct=False)")
     if spec.ablate == "no_compute" and not spec.qk_exchange and not spec.direct:
@@ -349,6 +345,9 @@ def build_kernel(spec: KernelSpec):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(full.at[b])
 
+            # Direct bf16 blocks are published one iteration later (their copies land meanwhile);
+            # kernels with fp8 pools convert each block before the issue returns: published at once.
+            deferred = NB == 2 and not has_fp8
             n = jnp.int32(0)
             for p, pspec in enumerate(spec.pools):
                 cache, src, scales = pool_refs[p]
@@ -357,7 +356,7 @@ def build_kernel(spec: KernelSpec):
 
                 def blk(j, n, cache=cache, src=src, scales=scales, fp8=fp8, kind=kind):
                     b = buf(n)
-                    if NB == 2:
+                    if deferred:
                         # Publish the previous block (issued one iteration ago) before waiting for this
                         # buffer's release, so the compute warpgroups never wait on this issue.
                         @pl.when(n >= 1)
@@ -376,20 +375,20 @@ def build_kernel(spec: KernelSpec):
                     elif spec.ablate != "no_copy":
                         dst = k_smem.at[b] if direct else (stage_u8 if fp8 else stage_bf)
                         if fp8 and direct:
-                            extra = (scales.at[row, j],)
+                            extra = (scales.at[row, j], scale_smem)
                         elif fp8:
                             extra = (scales.at[row, j], scale_smem, w_smem)
                         else:
                             extra = ()
-                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2, spec.fp8_batch)(
+                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2)(
                             cache, src.at[row, pl.ds(j * T, T)], dst, idx_smem.at[b], *extra)
-                    if NB == 1:
+                    if not deferred:
                         publish(b)
                     return n + 1
 
                 n = lax.fori_loop(ranges[p][0], ranges[p][1], blk, n)
 
-            if NB == 2:
+            if deferred:
                 @pl.when(n >= 1)
                 def _():
                     publish(buf(n + 1))
@@ -604,7 +603,7 @@ def build_kernel(spec: KernelSpec):
         plgpu.SMEM((NB, 2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves (ring)
         stage,
         # per-group scale factors of the block (staged kernels, and the interpreter's fp8 dequantization)
-        plgpu.SMEM((8, T), jnp.float32) if has_fp8 and (not spec.direct or spec.interpret) else None,
+        plgpu.SMEM((8, T), jnp.float32) if has_fp8 else None,
         plgpu.SMEM((NB, T), jnp.int32),  # the block's sources (ring)
         # fp8: the RoPE combiner (interpreter) or the RoPE staging rows (GPU: the gather copies a
         # record's RoPE bytes here, where they read as the bf16 values they are)

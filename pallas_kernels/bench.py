@@ -13,8 +13,7 @@ once, q read and out written once), and the two floors (FLOPs at 790 TFLOP/s bf1
 Variants: `default` (what `impl="pallas"` runs), `redundant_qk` (both compute warpgroups
 contract all 512 dims instead of exchanging partial scores), `bf16_p` (a single bf16 P, the
 FlashMLA choice: faster, but misses the output tolerance on the project's test data; timing only),
-`splits=N` (forced split count), `mem_regs=N` (the memory warpgroup's registers),
-`fp8_batch=N` (fp8 tokens per warp in flight in the memory warpgroup), `a+b` (both); timing experiments that leave one stage out (wrong results):
+`splits=N` (forced split count), `mem_regs=N` (the memory warpgroup's registers), `a+b` (both); timing experiments that leave one stage out (wrong results):
 `no_copy` (no token copies), `no_compute` (compute warpgroups only wait and release the staging),
 `staged_no_dequant` (the staged kernel without its dequantization); `staged` (fp8 records staged in
 SMEM and dequantized by the compute warpgroups, the 8f294f1 kernel, instead of dequantized by the
@@ -135,7 +134,7 @@ def run(name, kind, case, variant, iters):
             opts["fp8_direct"] = False
         elif part == "staged_no_dequant":
             opts.update(fp8_direct=False, ablate="no_dequant")
-        elif part.startswith(("mem_regs=", "fp8_batch=")):
+        elif part.startswith("mem_regs="):
             key, val = part.split("=")
             opts[key] = int(val)
         elif part.startswith("splits="):
@@ -177,7 +176,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=None,
                     help="comma-separated variants for the two target cases (timing experiments: no_copy, "
-                         "no_compute, staged, staged_no_dequant, bf16_p, redundant_qk, splits=N, mem_regs=N, fp8_batch=N, a+b); implies --quick's case list")
+                         "no_compute, staged, staged_no_dequant, bf16_p, redundant_qk, splits=N, mem_regs=N, a+b); implies --quick's case list")
     ap.add_argument("--cases", default="decode,prefill", help="with --variants: decode and/or prefill")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
