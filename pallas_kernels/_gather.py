@@ -108,7 +108,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
     """
     if kind not in ("fp8_stage", "bf16_stage", "bf16_tile", "fp8_tile"):
         raise ValueError(f"kind must be fp8_stage, bf16_stage, bf16_tile or fp8_tile, got {kind!r}")
-    types = [plgpu.RefType()] * {"fp8_stage": 7, "fp8_tile": 6}.get(kind, 4)
+    types = [plgpu.RefType()] * {"fp8_stage": 7, "fp8_tile": 7}.get(kind, 4)
     if kind in ("bf16_tile", "fp8_tile"):  # the K ring buffer carries the kernel's tiling and swizzle
         types[2] = plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
@@ -137,7 +137,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
         if kind == "fp8_tile":
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread; then the records
             _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
-            _fp8_in_place(cache64, src64, dst32, _smem32(fp8_refs[1]), lane, warp)
+            _fp8_in_place(cache64, src64, _addr64(fp8_refs[2]), dst32, _smem32(fp8_refs[1]), lane, warp)
             return
         for k in range(_T // 4):
             tok = arith.addi(warp, _i32(4 * k))
@@ -217,28 +217,42 @@ def _warp_sync():
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.warp.sync -1;", "", has_side_effects=True)
 
 
-def _fp8_in_place(cache64, src64, dst32, sc_smem32, lane, warp):
+def _prefetch_l2_if(pred, addr64):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, addr64],
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p prefetch.global.L2 [$1];\n}", "r,l",
+                    has_side_effects=True)
+
+
+_GROUPS = 4  # cp.async groups per block in fp8_tile: the conversion of one overlaps the later ones' copies
+
+
+def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
     """fp8_ds_mla records of the block -> bf16 rows of the K buffer, converted in place.
 
     Warp w takes tokens w, w + 4, ... . Copies (`cp.async`, so that all 64 records are in flight
     without holding registers): record chunk c < 28 (NoPE bytes 16 c ..) into chunk c of the
     token's own half-0 row (the row's bf16 output covers it, and no other token writes there); the
     8 RoPE chunks (bf16 already) straight to their place, chunks 24..31 of half 1. Masked tokens
-    zero-fill (and convert to 0). Then, once every copy has landed, each warp converts its tokens
-    one at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and, for l < 24,
-    of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of the raw bytes
-    precede the writes that overwrite them), and lane l writes chunk l of both halves
+    zero-fill (and convert to 0). The copies go in `_GROUPS` commit groups; the next block's records
+    (sources `next64`) are prefetched into L2 behind them. Each group is converted as soon as it has
+    landed, one token at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and,
+    for l < 24, of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of
+    the raw bytes precede the writes that overwrite them), and lane l writes chunk l of both halves
     (x * 2^(e - 127), the f32 scale row from SMEM, rounded once to bf16)."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
     f32 = ir.F32Type.get()
+    void = ir.Type.parse("!llvm.void")
     lane16_64 = arith.extui(i64, arith.muli(lane, _i32(16)))
-    # lane l (mod 16) holds the source of token w + 4 (l % 16)
-    my_tok = arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4)))
-    offs = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(my_tok, _i32(4)))))
+    # lane l (mod 16) holds the source of token w + 4 (l % 16), of this block and of the next
+    my_tok4 = arith.extui(i64, arith.muli(arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4))),
+                                          _i32(4)))
+    offs = _ld_b32(arith.addi(src64, my_tok4))
+    noffs = _ld_b32(arith.addi(next64, my_tok4))
     nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
+    per = _T // 4 // _GROUPS
     for k in range(_T // 4):
         tok = arith.addi(warp, _i32(4 * k))
         off = _shfl(offs, _i32(k))
@@ -251,19 +265,26 @@ def _fp8_in_place(cache64, src64, dst32, sc_smem32, lane, warp):
         # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
         _cp16_if(tail, _chunk(dst32, 1, tok, arith.addi(lane, _i32(28))),
                  arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.wait_group 0;", "", has_side_effects=True)
-    mgu.warpgroup_barrier()  # every thread's copies (records, scale rows) visible to the warpgroup
+        if k % per == per - 1:
+            llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
+    # the next block's records into L2 (5 lines of 128 B each): lanes 0..15 lines 0..2, 16..31 lines 3..4
+    nvalid = arith.cmpi(arith.CmpIPredicate.sge, noffs, _i32(0))
+    nbase = arith.addi(cache64, arith.select(nvalid, arith.extsi(i64, noffs), _i64(0)))
+    upper = arith.cmpi(arith.CmpIPredicate.uge, lane, _i32(16))
+    for line in range(3):
+        lo_line, hi_line = line, 3 + line
+        ok = nvalid if line < 2 else arith.andi(nvalid, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16)))
+        off_b = arith.select(upper, _i64(128 * hi_line), _i64(128 * lo_line))
+        _prefetch_l2_if(arith.extui(i32, ok), arith.addi(nbase, off_b))
 
     half = arith.shrui(lane, _i32(1))
     sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))  # the lane's 8 bytes within the 16-byte chunk
-    low = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(24))
+    low32 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(24)))
     g0 = arith.shrui(lane, _i32(3))
     s0_off = arith.addi(sc_smem32, arith.muli(g0, _i32(256)))  # group g0's scale row (64 f32)
     s1_off = arith.addi(sc_smem32, arith.muli(arith.addi(g0, _i32(4)), _i32(256)))
     # half 1's bytes 256 + 8 l sit in chunk 16 + l // 2 (lanes >= 24 read chunk 16 + 12..15 and discard)
     c1 = arith.addi(half, _i32(16))
-    low32 = arith.extui(i32, low)
 
     def conv(word, sc):
         f = llvm.bitcast(f32, sc)
@@ -272,6 +293,13 @@ def _fp8_in_place(cache64, src64, dst32, sc_smem32, lane, warp):
         return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
 
     for k in range(_T // 4):
+        if k % per == 0:
+            grp = k // per
+            llvm.inline_asm(void, [], f"cp.async.wait_group {_GROUPS - 1 - grp};", "", has_side_effects=True)
+            if grp == 0:
+                mgu.warpgroup_barrier()  # the scale rows (copied by every thread) and group 0 visible
+            else:
+                _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
         tok = arith.addi(warp, _i32(4 * k))
         tok4 = arith.muli(tok, _i32(4))
         r0 = _lds(2, arith.addi(_chunk(dst32, 0, tok, half), sub))

@@ -125,7 +125,7 @@ class KernelSpec:
     # fp8 pools dequantized by the memory warpgroup straight into the K ring (False: staged in SMEM
     # and dequantized by the compute warpgroups, the 8f294f1 kernel; kept for comparison)
     fp8_direct: bool = True
-    # Registers per thread of the memory warpgroup (0: 40, timing experiments may change it);
+    # Registers per thread of the memory warpgroup (0: 56 when it converts fp8 records, else 40);
     # the compute warpgroups get the rest of the CTA's 504 (`registers`).
     mem_regs: int = 0
 
@@ -158,7 +158,7 @@ class KernelSpec:
         A CTA of 384 threads is launched with 168 registers per thread, 504 per (memory + 2 compute)
         thread triple; `setmaxnreg.inc` blocks until registers are free, so the three warpgroups must
         not ask for more than 504 in all (64 + 224 + 224 = 512 hung the GPU). Multiples of 8."""
-        mem = self.mem_regs or 40
+        mem = self.mem_regs or (56 if self.has_fp8 and self.direct else 40)
         return mem, (REG_BUDGET - mem) // 16 * 8
 
     @property
@@ -354,7 +354,7 @@ def build_kernel(spec: KernelSpec):
                 fp8 = pspec.fmt == "fp8_ds_mla"
                 kind = ("fp8_tile" if direct else "fp8_stage") if fp8 else ("bf16_tile" if direct else "bf16_stage")
 
-                def blk(j, n, cache=cache, src=src, scales=scales, fp8=fp8, kind=kind):
+                def blk(j, n, cache=cache, src=src, scales=scales, fp8=fp8, kind=kind, pspec=pspec):
                     b = buf(n)
                     if deferred:
                         # Publish the previous block (issued one iteration ago) before waiting for this
@@ -375,7 +375,9 @@ def build_kernel(spec: KernelSpec):
                     elif spec.ablate != "no_copy":
                         dst = k_smem.at[b] if direct else (stage_u8 if fp8 else stage_bf)
                         if fp8 and direct:
-                            extra = (scales.at[row, j], scale_smem)
+                            # the next block's sources (this one's at the pool's end): L2 prefetch only
+                            jn = jnp.minimum(j + 1, pspec.kpad // T - 1)
+                            extra = (scales.at[row, j], scale_smem, src.at[row, pl.ds(jn * T, T)])
                         elif fp8:
                             extra = (scales.at[row, j], scale_smem, w_smem)
                         else:
