@@ -181,15 +181,21 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
     return issue
 
 
-def _chunk(dst32, h, tok, c):
-    """Shared address of 16-byte chunk `c` (dims 8 c .. 8 c + 7 of half h) of row `tok` of a K buffer
-    [2, 64, 256] bf16: (8, 64) tiles of 1 KiB, 128-byte swizzle (chunk q of line r at q ^ (r % 8))."""
-    r = arith.andi(tok, _i32(7))
-    tile = arith.addi(arith.muli(arith.shrui(tok, _i32(3)), _i32(4)), arith.shrui(c, _i32(3)))
-    q = arith.xori(arith.andi(c, _i32(7)), r)
+def _row_base(dst32, h, warp, c):
+    """Shared address of 16-byte chunk `c` (dims 8 c .. 8 c + 7 of half h) of row tok = warp + 4 k of
+    a K buffer [2, 64, 256] bf16 ((8, 64) tiles of 1 KiB, 128-byte swizzle: chunk q of line r at
+    q ^ (r % 8)), as a base that `_row_at` turns into any k's address: for warp < 4, tok // 8 = k // 2
+    (a tile row: 4 KiB) and tok % 8 = warp + 4 (k % 2); the odd line r + 4 moves the chunk 512 B
+    down and flips bit 2 of its swizzled position: address ^ 0x240 (the buffer is 1 KiB aligned)."""
+    q = arith.xori(arith.andi(c, _i32(7)), warp)
     d = arith.addi(dst32, _i32(h * _T * 256 * 2))
-    d = arith.addi(d, arith.muli(tile, _i32(1024)))
-    return arith.addi(d, arith.addi(arith.muli(r, _i32(128)), arith.muli(q, _i32(16))))
+    d = arith.addi(d, arith.muli(arith.shrui(c, _i32(3)), _i32(1024)))
+    return arith.addi(d, arith.addi(arith.muli(warp, _i32(128)), arith.muli(q, _i32(16))))
+
+
+def _row_at(base, k):
+    b = arith.xori(base, _i32(0x240)) if k % 2 else base
+    return arith.addi(b, _i32((k // 2) * 4096)) if k >= 2 else b
 
 
 def _shfl(value, src_lane):
@@ -253,18 +259,17 @@ def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
     nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
     per = _T // 4 // _GROUPS
+    # chunk `lane` of a record: NoPE to half 0 chunk `lane`, RoPE chunks 0..3 to half 1 chunks 24..27;
+    # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
+    dst_base = arith.select(nope, _row_base(dst32, 0, warp, lane), _row_base(dst32, 1, warp, arith.subi(lane, _i32(4))))
+    tail_base = _row_base(dst32, 1, warp, arith.addi(lane, _i32(28)))
     for k in range(_T // 4):
-        tok = arith.addi(warp, _i32(4 * k))
         off = _shfl(offs, _i32(k))
         valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
         nbytes = arith.select(valid, _i32(16), _i32(0))
         g = arith.addi(cache64, arith.select(valid, arith.extsi(i64, off), _i64(0)))
-        # chunk `lane` of the record: NoPE to half 0 chunk `lane`, RoPE chunks 0..3 to half 1 chunks 24..27
-        d = arith.select(nope, _chunk(dst32, 0, tok, lane), _chunk(dst32, 1, tok, arith.subi(lane, _i32(4))))
-        _cp16(d, arith.addi(g, lane16_64), nbytes)
-        # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
-        _cp16_if(tail, _chunk(dst32, 1, tok, arith.addi(lane, _i32(28))),
-                 arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
+        _cp16(_row_at(dst_base, k), arith.addi(g, lane16_64), nbytes)
+        _cp16_if(tail, _row_at(tail_base, k), arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
         if k % per == per - 1:
             llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
     # the next block's records into L2 (5 lines of 128 B each): lanes 0..15 lines 0..2, 16..31 lines 3..4
@@ -281,10 +286,13 @@ def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
     sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))  # the lane's 8 bytes within the 16-byte chunk
     low32 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(24)))
     g0 = arith.shrui(lane, _i32(3))
-    s0_off = arith.addi(sc_smem32, arith.muli(g0, _i32(256)))  # group g0's scale row (64 f32)
-    s1_off = arith.addi(sc_smem32, arith.muli(arith.addi(g0, _i32(4)), _i32(256)))
+    warp4 = arith.muli(warp, _i32(4))
+    s0_off = arith.addi(sc_smem32, arith.addi(arith.muli(g0, _i32(256)), warp4))  # group g0's scale row (64 f32)
+    s1_off = arith.addi(sc_smem32, arith.addi(arith.muli(arith.addi(g0, _i32(4)), _i32(256)), warp4))
     # half 1's bytes 256 + 8 l sit in chunk 16 + l // 2 (lanes >= 24 read chunk 16 + 12..15 and discard)
-    c1 = arith.addi(half, _i32(16))
+    raw0 = arith.addi(_row_base(dst32, 0, warp, half), sub)
+    raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(half, _i32(16))), sub)
+    out0, out1 = _row_base(dst32, 0, warp, lane), _row_base(dst32, 1, warp, lane)
 
     def conv(word, sc):
         f = llvm.bitcast(f32, sc)
@@ -300,17 +308,15 @@ def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
                 mgu.warpgroup_barrier()  # the scale rows (copied by every thread) and group 0 visible
             else:
                 _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
-        tok = arith.addi(warp, _i32(4 * k))
-        tok4 = arith.muli(tok, _i32(4))
-        r0 = _lds(2, arith.addi(_chunk(dst32, 0, tok, half), sub))
-        r1 = _lds(2, arith.addi(_chunk(dst32, 0, tok, c1), sub))
-        sc0 = _lds(1, arith.addi(s0_off, tok4))[0]
-        sc1 = _lds(1, arith.addi(s1_off, tok4))[0]
+        r0 = _lds(2, _row_at(raw0, k))
+        r1 = _lds(2, _row_at(raw1, k))
+        sc0 = _lds(1, arith.addi(s0_off, _i32(16 * k)))[0]  # token warp + 4 k: 4 B each
+        sc1 = _lds(1, arith.addi(s1_off, _i32(16 * k)))[0]
         _warp_sync()  # the token's raw bytes are read before any lane overwrites them
         w0 = conv(r0[0], sc0) + conv(r0[1], sc0)
         w1 = conv(r1[0], sc1) + conv(r1[1], sc1)
-        _st_v4(_chunk(dst32, 0, tok, lane), w0)
-        _st_v4_if(low32, _chunk(dst32, 1, tok, lane), w1)
+        _st_v4(_row_at(out0, k), w0)
+        _st_v4_if(low32, _row_at(out1, k), w1)
 
 
 def wait_groups(pending: int):
