@@ -135,9 +135,8 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
             _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
         if kind == "fp8_tile":
-            # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread; then the records
-            _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
-            _fp8_in_place(cache64, src64, _addr64(fp8_refs[2]), dst32, _smem32(fp8_refs[1]), lane, warp)
+            _fp8_in_place(cache64, src64, _addr64(fp8_refs[0]), _addr64(fp8_refs[2]), dst32, _smem32(fp8_refs[1]),
+                          lane, warp)
             return
         for k in range(_T // 4):
             tok = arith.addi(warp, _i32(4 * k))
@@ -213,6 +212,19 @@ def _lds(n, addr32):
     return [llvm.extractvalue(i32, st, [k]) for k in range(2)]
 
 
+def _lds_u8(addr32):
+    """One byte from shared memory, zero-extended to i32."""
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [addr32], "ld.shared.u8 $0, [$1];", "=r,r",
+                           has_side_effects=True)
+
+
+def _cp8_if(pred, dst32, src64, nbytes32):
+    """cp.async of 8 B (`nbytes32` of them read, the rest zero-filled) by the threads whose `pred` is nonzero."""
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, src64, nbytes32],
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p cp.async.ca.shared.global [$1], [$2], 8, $3;\n}",
+                    "r,r,l,r", has_side_effects=True)
+
+
 def _st_v4_if(pred, dst32, words):
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, *words],
                     "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p st.shared.v4.b32 [$1], {$2, $3, $4, $5};\n}",
@@ -232,19 +244,20 @@ def _prefetch_l2_if(pred, addr64):
 _GROUPS = 4  # cp.async groups per block in fp8_tile: the conversion of one overlaps the later ones' copies
 
 
-def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
+def _fp8_in_place(cache64, src64, ssrc64, next64, dst32, sc_smem32, lane, warp):
     """fp8_ds_mla records of the block -> bf16 rows of the K buffer, converted in place.
 
     Warp w takes tokens w, w + 4, ... . Copies (`cp.async`, so that all 64 records are in flight
     without holding registers): record chunk c < 28 (NoPE bytes 16 c ..) into chunk c of the
     token's own half-0 row (the row's bf16 output covers it, and no other token writes there); the
-    8 RoPE chunks (bf16 already) straight to their place, chunks 24..31 of half 1. Masked tokens
-    zero-fill (and convert to 0). The copies go in `_GROUPS` commit groups; the next block's records
+    8 RoPE chunks (bf16 already) straight to their place, chunks 24..31 of half 1; the 8 UE8M0 scale
+    bytes (offsets `ssrc64`) to row tok of the scale buffer uint8 [64, 8]. Masked tokens zero-fill
+    (and convert to 0). The copies go in `_GROUPS` commit groups; the next block's records
     (sources `next64`) are prefetched into L2 behind them. Each group is converted as soon as it has
     landed, one token at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and,
     for l < 24, of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of
     the raw bytes precede the writes that overwrite them), and lane l writes chunk l of both halves
-    (x * 2^(e - 127), the f32 scale row from SMEM, rounded once to bf16)."""
+    (x * 2^(e - 127), rounded once to bf16; e = 0 gives 0, as in the reference)."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
@@ -255,9 +268,12 @@ def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
     my_tok4 = arith.extui(i64, arith.muli(arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4))),
                                           _i32(4)))
     offs = _ld_b32(arith.addi(src64, my_tok4))
+    soffs = _ld_b32(arith.addi(ssrc64, my_tok4))
     noffs = _ld_b32(arith.addi(next64, my_tok4))
     nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
+    lane4 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4)))
+    sc_row = arith.addi(sc_smem32, arith.muli(warp, _i32(8)))  # row tok = warp + 4 k: 32 k further
     per = _T // 4 // _GROUPS
     # chunk `lane` of a record: NoPE to half 0 chunk `lane`, RoPE chunks 0..3 to half 1 chunks 24..27;
     # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
@@ -270,6 +286,9 @@ def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
         g = arith.addi(cache64, arith.select(valid, arith.extsi(i64, off), _i64(0)))
         _cp16(_row_at(dst_base, k), arith.addi(g, lane16_64), nbytes)
         _cp16_if(tail, _row_at(tail_base, k), arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
+        soff = _shfl(soffs, _i32(k))
+        sg = arith.addi(cache64, arith.select(valid, arith.extsi(i64, soff), _i64(0)))
+        _cp8_if(lane4, arith.addi(sc_row, _i32(32 * k)), sg, arith.select(valid, _i32(8), _i32(0)))
         if k % per == per - 1:
             llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
     # the next block's records into L2 (5 lines of 128 B each): lanes 0..15 lines 0..2, 16..31 lines 3..4
@@ -286,9 +305,8 @@ def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
     sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))  # the lane's 8 bytes within the 16-byte chunk
     low32 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(24)))
     g0 = arith.shrui(lane, _i32(3))
-    warp4 = arith.muli(warp, _i32(4))
-    s0_off = arith.addi(sc_smem32, arith.addi(arith.muli(g0, _i32(256)), warp4))  # group g0's scale row (64 f32)
-    s1_off = arith.addi(sc_smem32, arith.addi(arith.muli(arith.addi(g0, _i32(4)), _i32(256)), warp4))
+    s0_off = arith.addi(sc_row, g0)  # the token's scale bytes of groups g0 and g0 + 4
+    s1_off = arith.addi(sc_row, arith.addi(g0, _i32(4)))
     # half 1's bytes 256 + 8 l sit in chunk 16 + l // 2 (lanes >= 24 read chunk 16 + 12..15 and discard)
     raw0 = arith.addi(_row_base(dst32, 0, warp, half), sub)
     raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(half, _i32(16))), sub)
@@ -304,14 +322,12 @@ def _fp8_in_place(cache64, src64, next64, dst32, sc_smem32, lane, warp):
         if k % per == 0:
             grp = k // per
             llvm.inline_asm(void, [], f"cp.async.wait_group {_GROUPS - 1 - grp};", "", has_side_effects=True)
-            if grp == 0:
-                mgu.warpgroup_barrier()  # the scale rows (copied by every thread) and group 0 visible
-            else:
-                _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
+            _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
         r0 = _lds(2, _row_at(raw0, k))
         r1 = _lds(2, _row_at(raw1, k))
-        sc0 = _lds(1, arith.addi(s0_off, _i32(16 * k)))[0]  # token warp + 4 k: 4 B each
-        sc1 = _lds(1, arith.addi(s1_off, _i32(16 * k)))[0]
+        # 2^(e - 127) as f32 bits: e << 23 (e = 0 -> 0)
+        sc0 = arith.shli(_lds_u8(arith.addi(s0_off, _i32(32 * k))), _i32(23))
+        sc1 = arith.shli(_lds_u8(arith.addi(s1_off, _i32(32 * k))), _i32(23))
         _warp_sync()  # the token's raw bytes are read before any lane overwrites them
         w0 = conv(r0[0], sc0) + conv(r0[1], sc0)
         w1 = conv(r1[0], sc1) + conv(r1[1], sc1)

@@ -162,6 +162,11 @@ class KernelSpec:
         return mem, (REG_BUDGET - mem) // 16 * 8
 
     @property
+    def scale_offsets(self) -> bool:
+        """fp8 scale operands are byte offsets of the UE8M0 bytes (GPU direct kernel), not f32 rows."""
+        return self.has_fp8 and self.direct and not self.interpret
+
+    @property
     def xbufs(self) -> int:
         """Score-exchange buffers: two where SMEM allows (both warpgroups post at once), else one."""
         return 1 if self.direct else 2
@@ -201,7 +206,8 @@ def build_kernel(spec: KernelSpec):
     f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8 [bytes]; bf16: bf16
     [rows, 512]), src int32 [R, kpad] (byte offset of the record / row number, -1 = masked),
     and for fp8 pools scales f32 [R, kpad / 64, 8, 64] (per 64-token block, group g of the 7
-    NoPE groups (row 7 unused) and token: the factor 2^(e - 127) of the entry's UE8M0 byte; 0 when masked).
+    NoPE groups (row 7 unused) and token: the factor 2^(e - 127) of the entry's UE8M0 byte; 0 when masked),
+    or with `spec.scale_offsets` the byte offsets int32 [R, kpad] of the entries' 8 UE8M0 bytes.
     Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp]; split mode
     returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
     """
@@ -377,7 +383,7 @@ def build_kernel(spec: KernelSpec):
                         if fp8 and direct:
                             # the next block's sources (this one's at the pool's end): L2 prefetch only
                             jn = jnp.minimum(j + 1, pspec.kpad // T - 1)
-                            extra = (scales.at[row, j], scale_smem, src.at[row, pl.ds(jn * T, T)])
+                            extra = (scales.at[row, pl.ds(j * T, T)], scale_smem, src.at[row, pl.ds(jn * T, T)])
                         elif fp8:
                             extra = (scales.at[row, j], scale_smem, w_smem)
                         else:
@@ -604,8 +610,9 @@ def build_kernel(spec: KernelSpec):
         plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # Q halves
         plgpu.SMEM((NB, 2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves (ring)
         stage,
-        # per-group scale factors of the block (staged kernels, and the interpreter's fp8 dequantization)
-        plgpu.SMEM((8, T), jnp.float32) if has_fp8 else None,
+        # per-group scale factors of the block: f32 [8, 64] (staged; interpreter), or the tokens' UE8M0
+        # bytes [64, 8] (the GPU direct kernel reads them from the cache)
+        (plgpu.SMEM((T, 8), jnp.uint8) if spec.scale_offsets else plgpu.SMEM((8, T), jnp.float32)) if has_fp8 else None,
         plgpu.SMEM((NB, T), jnp.int32),  # the block's sources (ring)
         # fp8: the RoPE combiner (interpreter) or the RoPE staging rows (GPU: the gather copies a
         # record's RoPE bytes here, where they read as the bf16 values they are)

@@ -94,8 +94,13 @@ def unsupported_reason(fmt: str, cache) -> str | None:
     return None
 
 
-def pool_operands(cache, fmt: str, block_size: int, idx, lens):
-    """(operands, PoolSpec, blocks per row) of one pool. idx int32 [R, K]; lens int32 [R]."""
+def pool_operands(cache, fmt: str, block_size: int, idx, lens, scale_offsets: bool = False):
+    """(operands, PoolSpec, blocks per row) of one pool. idx int32 [R, K]; lens int32 [R].
+
+    Operands: the cache view, the sources src int32 [R, kpad] (fp8: the record's byte offset; bf16:
+    the row; -1 masked) and, for fp8 pools, the scale factors: f32 [R, kpad / 64, 8, 64] (2^(e - 127)
+    per block, group, token: the staged and interpreted kernels), or with `scale_offsets` (the GPU's
+    direct kernel, which reads the 8 UE8M0 bytes itself) their byte offsets int32 [R, kpad] (-1 masked)."""
     R, K = idx.shape
     kpad = max(_cdiv(K, T), 1) * T
     cap = kvc.cache_capacity(cache, fmt, block_size)
@@ -111,15 +116,18 @@ def pool_operands(cache, fmt: str, block_size: int, idx, lens):
         view = cache.reshape(-1)
         blk, t = safe // block_size, safe % block_size
         src = jnp.where(valid, blk * pb + t * FP8_RECORD, -1)
-        rows8 = cache.reshape(-1, 8)
-        # one 8-byte gather per entry; masked entries index past the end and read nothing (fill 0)
-        scale_row = jnp.where(valid, (blk * pb + block_size * FP8_RECORD + t * 8) // 8, rows8.shape[0])
-        sc = rows8.at[scale_row].get(mode="fill", fill_value=0)  # [R, K, 8] uint8
-        if kpad > K:
-            sc = jnp.pad(sc, ((0, 0), (0, kpad - K), (0, 0)))
-        # 2^(e - 127) as f32 (e = 0 -> 0), laid out [R, block, group, token] for per-token row loads
-        sf = jax.lax.bitcast_convert_type(sc.astype(jnp.int32) << 23, jnp.float32)
-        extra = (sf.reshape(R, kpad // T, T, 8).transpose(0, 1, 3, 2),)
+        scale_at = blk * pb + block_size * FP8_RECORD + t * 8  # the entry's 8 UE8M0 bytes
+        if scale_offsets:
+            ssrc = jnp.where(valid, scale_at, -1)
+            extra = (jnp.pad(ssrc, ((0, 0), (0, kpad - K)), constant_values=-1).astype(jnp.int32),)
+        else:
+            rows8 = cache.reshape(-1, 8)
+            # one 8-byte gather per entry; masked entries index past the end and read nothing (fill 0)
+            sc = rows8.at[jnp.where(valid, scale_at // 8, rows8.shape[0])].get(mode="fill", fill_value=0)
+            sc = jnp.pad(sc, ((0, 0), (0, kpad - K), (0, 0)))  # [R, kpad, 8] uint8
+            # 2^(e - 127) as f32 (e = 0 -> 0), laid out [R, block, group, token] for per-token row loads
+            sf = jax.lax.bitcast_convert_type(sc.astype(jnp.int32) << 23, jnp.float32)
+            extra = (sf.reshape(R, kpad // T, T, 8).transpose(0, 1, 3, 2),)
     if kpad > K:
         src = jnp.pad(src, ((0, 0), (0, kpad - K)), constant_values=-1)
     nblk = (jnp.clip(lens, 0, K) + T - 1) // T
@@ -172,7 +180,10 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits):
     if sink is not None:
         sink_p = jnp.pad(sink.astype(jnp.float32), (0, Hp - h), constant_values=-jnp.inf) if Hp != h else sink
         args.append(sink_p.astype(jnp.float32))
-    for ops, _, _ in pools:
+    for ops, ps, _ in pools:
+        if ps.fmt == "fp8_ds_mla" and (ops[2].ndim == 2) != spec.scale_offsets:  # operands built for another kernel
+            raise RuntimeError(f"fp8 scale operand of shape {ops[2].shape} does not match the kernel "
+                               f"(scale_offsets={spec.scale_offsets})")
         args.extend(ops)
     with _interpret.kernel_context():
         out, lse, mx = build_kernel(spec)(*args)
@@ -180,6 +191,11 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits):
         out, lse, mx = combine_splits(out, lse, mx, sink_p)
     out = out.astype(jnp.bfloat16)
     return out[:, :h], mx[:, :h], lse[:, :h]
+
+
+def _scale_offsets() -> bool:
+    """Whether fp8 pools pass scale byte offsets (the GPU direct kernel) rather than f32 scale rows."""
+    return not _interpret.active() and getattr(_override, "options", {}).get("fp8_direct", True)
 
 
 def decode(call, *, num_splits: int | None = None):
@@ -190,10 +206,12 @@ def decode(call, *, num_splits: int | None = None):
     def rows(idx, lens):
         return idx.reshape(R, idx.shape[2]), jnp.repeat(lens.astype(jnp.int32), s_q)
 
-    pools = [pool_operands(call.kv_cache, call.kv_format, call.block_size, *rows(call.indices, call.topk_length))]
+    so = _scale_offsets()
+    pools = [pool_operands(call.kv_cache, call.kv_format, call.block_size, *rows(call.indices, call.topk_length),
+                           scale_offsets=so)]
     if call.has_extra:
         pools.append(pool_operands(call.extra_kv_cache, call.extra_kv_format, call.extra_block_size,
-                                   *rows(call.extra_indices, call.extra_topk_length)))
+                                   *rows(call.extra_indices, call.extra_topk_length), scale_offsets=so))
     out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits)
     return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
 

@@ -287,6 +287,20 @@ def test_fp8_scale_factor_operand():
             e = cache[blk, bs * 576 + t * 8: bs * 576 + t * 8 + 8].astype(np.int64)
             want = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)
             np.testing.assert_array_equal(got, want, err_msg=f"row {r} entry {k}")
+    # the GPU direct kernel's form: byte offsets of the same 8 bytes in the cache view, -1 masked
+    ops2, _, _ = _ops.pool_operands(jnp.asarray(cache), "fp8_ds_mla", bs, jnp.asarray(idx), jnp.asarray(lens),
+                                    scale_offsets=True)
+    view2, src2, ssrc = (np.asarray(x) for x in ops2)
+    assert ssrc.shape == (2, 128) and ssrc.dtype == np.int32
+    np.testing.assert_array_equal(src2, src)
+    for r in range(2):
+        for k in range(128):
+            if src[r, k] < 0:
+                assert ssrc[r, k] == -1, (r, k)
+            else:
+                got8 = view2[ssrc[r, k]: ssrc[r, k] + 8]
+                np.testing.assert_array_equal(np.where(got8 == 0, 0.0, np.ldexp(1.0, got8.astype(np.int64) - 127)),
+                                              sf[r, k // 64, :, k % 64], err_msg=f"row {r} entry {k}")
 
 
 # ----------------------------------------------------- interpret results (run last: they wait)
