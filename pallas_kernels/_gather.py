@@ -108,7 +108,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
     """
     if kind not in ("fp8_stage", "bf16_stage", "bf16_tile", "fp8_tile"):
         raise ValueError(f"kind must be fp8_stage, bf16_stage, bf16_tile or fp8_tile, got {kind!r}")
-    types = [plgpu.RefType()] * {"fp8_stage": 7, "fp8_tile": 7}.get(kind, 4)
+    types = [plgpu.RefType()] * {"fp8_stage": 7, "fp8_tile": 8}.get(kind, 4)
     if kind in ("bf16_tile", "fp8_tile"):  # the K ring buffer carries the kernel's tiling and swizzle
         types[2] = plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
@@ -135,8 +135,8 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
             _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
         if kind == "fp8_tile":
-            _fp8_in_place(cache64, src64, _addr64(fp8_refs[0]), _addr64(fp8_refs[2]), dst32, _smem32(fp8_refs[1]),
-                          lane, warp)
+            _fp8_in_place(cache64, src64, _addr64(fp8_refs[0]), _addr64(fp8_refs[2]), _addr64(fp8_refs[3]),
+                          dst32, _smem32(fp8_refs[1]), lane, warp)
             return
         for k in range(_T // 4):
             tok = arith.addi(warp, _i32(4 * k))
@@ -244,7 +244,7 @@ def _prefetch_l2_if(pred, addr64):
 _GROUPS = 4  # cp.async groups per block in fp8_tile: the conversion of one overlaps the later ones' copies
 
 
-def _fp8_in_place(cache64, src64, ssrc64, next64, dst32, sc_smem32, lane, warp):
+def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp):
     """fp8_ds_mla records of the block -> bf16 rows of the K buffer, converted in place.
 
     Warp w takes tokens w, w + 4, ... . Copies (`cp.async`, so that all 64 records are in flight
@@ -252,8 +252,8 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, dst32, sc_smem32, lane, warp):
     token's own half-0 row (the row's bf16 output covers it, and no other token writes there); the
     8 RoPE chunks (bf16 already) straight to their place, chunks 24..31 of half 1; the 8 UE8M0 scale
     bytes (offsets `ssrc64`) to row tok of the scale buffer uint8 [64, 8]. Masked tokens zero-fill
-    (and convert to 0). The copies go in `_GROUPS` commit groups; the next block's records
-    (sources `next64`) are prefetched into L2 behind them. Each group is converted as soon as it has
+    (and convert to 0). The copies go in `_GROUPS` commit groups; the next block's records and scale
+    bytes (`next64`, `snext64`) are prefetched into L2 behind them. Each group is converted as soon as it has
     landed, one token at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and,
     for l < 24, of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of
     the raw bytes precede the writes that overwrite them), and lane l writes chunk l of both halves
@@ -270,6 +270,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, dst32, sc_smem32, lane, warp):
     offs = _ld_b32(arith.addi(src64, my_tok4))
     soffs = _ld_b32(arith.addi(ssrc64, my_tok4))
     noffs = _ld_b32(arith.addi(next64, my_tok4))
+    nsoffs = _ld_b32(arith.addi(snext64, my_tok4))
     nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
     lane4 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4)))
@@ -300,6 +301,9 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, dst32, sc_smem32, lane, warp):
         ok = nvalid if line < 2 else arith.andi(nvalid, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16)))
         off_b = arith.select(upper, _i64(128 * hi_line), _i64(128 * lo_line))
         _prefetch_l2_if(arith.extui(i32, ok), arith.addi(nbase, off_b))
+    # and its scale bytes (8 of them, never across a line): lanes 0..15
+    _prefetch_l2_if(arith.extui(i32, arith.andi(nvalid, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16)))),
+                    arith.addi(cache64, arith.select(nvalid, arith.extsi(i64, nsoffs), _i64(0))))
 
     half = arith.shrui(lane, _i32(1))
     sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))  # the lane's 8 bytes within the 16-byte chunk

@@ -383,7 +383,8 @@ def build_kernel(spec: KernelSpec):
                         if fp8 and direct:
                             # the next block's sources (this one's at the pool's end): L2 prefetch only
                             jn = jnp.minimum(j + 1, pspec.kpad // T - 1)
-                            extra = (scales.at[row, pl.ds(j * T, T)], scale_smem, src.at[row, pl.ds(jn * T, T)])
+                            extra = (scales.at[row, pl.ds(j * T, T)], scale_smem, src.at[row, pl.ds(jn * T, T)],
+                                     scales.at[row, pl.ds(jn * T, T)])
                         elif fp8:
                             extra = (scales.at[row, j], scale_smem, w_smem)
                         else:
