@@ -22,11 +22,16 @@ Destinations:
 - `bf16_stage`: the 1 KiB row into row i (pitch `pitch`) of the staging buffer;
 - `bf16_tile`: the 1 KiB row straight into row i of the two swizzled K halves [2, 64, 256] (bf16,
   (8, 64) tiles of 1 KiB, 128-byte swizzle: the 16 B chunk q of a 128 B line r goes to q ^ (r % 8)),
-  i.e. the wgmma operand layout, so the compute warpgroups do no relayout.
+  i.e. the wgmma operand layout, so the compute warpgroups do no relayout;
+- `fp8_tile`: the record into the same K tile, converted there by the memory warpgroup before the
+  issue returns (`_fp8_in_place`): the fp8 work leaves the compute warpgroups, and no registers are
+  held while the copies are in flight. (A first version loaded the records into registers; ptxas
+  moved each load next to its use, one record in flight per warp: 1285 us against 591 staged.)
 Plus the block's 64 sources (256 B) into the index buffer, for the compute warpgroups' masks.
 
-The copies are committed as one `cp.async` group; `wait_groups` waits for this thread's groups
-(`cp.async.wait_group`), after which the caller fences and arrives on the block's barrier.
+The copies are committed as one `cp.async` group (`fp8_tile`: four, all landed when it returns);
+`wait_groups` waits for this thread's groups (`cp.async.wait_group`), after which the caller fences
+and arrives on the block's barrier.
 """
 
 from __future__ import annotations
@@ -98,13 +103,14 @@ def _cp16_if(pred, dst32, src64, nbytes32=None):
 
 
 def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
-    """Returns `f(cache, src_blk, dst, idx_dst[, scales_blk, scale_dst, rope_dst])` for `plgpu` code
-    (memory warpgroup).
+    """Returns `f(cache, src_blk, dst, idx_dst, *fp8_refs)` for `plgpu` code (memory warpgroup).
 
     cache: the pool's GMEM operand (fp8: uint8 bytes; bf16: [rows, 512]); src_blk: int32 [64], this
-    block's sources; dst: the staging buffer (`*_stage`) or the K buffer [2, 64, 256] (`bf16_tile`);
-    idx_dst: int32 [64] SMEM; fp8 only: scales_blk f32 [8, 64] (GMEM), scale_dst (SMEM) and rope_dst
-    (SMEM bf16 rows of `rope_pitch` bytes).
+    block's sources; dst: the staging buffer (`*_stage`) or the K buffer [2, 64, 256] (`*_tile`);
+    idx_dst: int32 [64] SMEM. fp8_refs, `fp8_stage`: scales_blk f32 [8, 64] (GMEM), scale_dst (SMEM)
+    and rope_dst (SMEM bf16 rows of `rope_pitch` bytes); `fp8_tile`: the block's scale-byte offsets
+    int32 [64] (GMEM), scale_dst uint8 [64, 8] (SMEM), and the next block's sources and scale-byte
+    offsets (GMEM, for the L2 prefetch).
     """
     if kind not in ("fp8_stage", "bf16_stage", "bf16_tile", "fp8_tile"):
         raise ValueError(f"kind must be fp8_stage, bf16_stage, bf16_tile or fp8_tile, got {kind!r}")

@@ -8,21 +8,25 @@ Program (CTA) = (row, split, 64-head group), a 1-D grid (rows may exceed 65535);
 to a multiple of 64 by the caller (the wgmma M is 64). Three warpgroups (Pallas "threads", "wg"),
 lane-level lowering semantics (`LoweringSemantics.Lane`: explicit register layouts):
 
-Two modes, by the pools' formats:
-- *staged* (any fp8_ds_mla pool): tokens land as raw bytes in a staging buffer and the compute
-  warpgroups dequantize / relayout them into a single K tile;
-- *direct* (bf16 pools only): tokens land straight in a double-buffered K tile (the swizzled wgmma
-  operand layout), so the compute warpgroups only do matmuls and softmax.
+Two modes:
+- *direct* (the default): tokens land in a double-buffered K tile (the swizzled wgmma operand
+  layout), so the compute warpgroups only do matmuls and softmax: bf16 rows are copied there, fp8
+  records are copied into their own token's K row and converted in place by the memory warpgroup;
+- *staged* (`fp8_direct=False`, kept for comparison: 8f294f1's kernel): fp8 records land as raw
+  bytes in a staging buffer and the compute warpgroups dequantize / relayout them into a single K tile.
 
-- wg 2, the *memory* warpgroup (40 registers): copies the Q tile (TMA, swizzled), then for every
-  64-token block issues the block's gather from all 128 threads as 16-byte `cp.async` copies
-  (`_gather.py`, through `plgpu.inline_mgpu`): per token the 448 NoPE bytes of an fp8_ds_mla record
-  to the staging row and its 128 RoPE bytes to a bf16 RoPE row (the bytes are the bf16 values), or
-  the 1 KiB bf16 row to the staging row / the K tile row; plus the block's 64 sources and, for fp8
-  pools, its f32 scale factors [8 groups, 64 tokens] (prepared by XLA). Masked tokens are never
-  read: their copies zero-fill. It waits for its own copies (`cp.async.wait_group`), fences them
-  for the async proxy and arrives on the buffer's `full` barrier. In direct mode it publishes
-  block n - 1 before waiting for the release of block n's buffer.
+- wg 2, the *memory* warpgroup (40 registers; 56 when it converts fp8 records): copies the Q tile
+  (TMA, swizzled), then for every 64-token block issues the block's gather from all 128 threads as
+  16-byte `cp.async` copies (`_gather.py`, through `plgpu.inline_mgpu`), plus the block's 64 sources.
+  Direct: the 1 KiB bf16 row into the K tile row; the fp8 record's 448 NoPE bytes into the token's
+  own half-0 row and its 128 RoPE bytes (bf16 values) to their final place, its 8 UE8M0 scale bytes
+  (offsets from XLA) to a byte row, in four commit groups, the next block's records prefetched into
+  L2; each group converted as it lands (e4m3 * 2^(e - 127) -> bf16, one token per warp at a time).
+  Staged: the NoPE bytes to the staging row, the RoPE bytes to a bf16 RoPE row, the f32 scale
+  factors [8 groups, 64 tokens] (prepared by XLA). Masked tokens are never read: their copies
+  zero-fill. It waits for its own copies (`cp.async.wait_group`), fences them for the async proxy
+  and arrives on the buffer's `full` barrier. bf16-only direct kernels publish block n - 1 before
+  waiting for the release of block n's buffer; fp8 kernels publish each block once converted.
 - wg 0 and wg 1, the *compute* warpgroups (232 registers): warpgroup w owns latent dims
   [256 w, 256 w + 256). In staged mode, per block it dequantizes its dims of the staged tokens
   into its half of the bf16 K tile (swizzled SMEM): e4m3 * 2^(e - 127) for NoPE tiles, the RoPE
@@ -43,9 +47,9 @@ memory warpgroup / released by both compute warpgroups), `x_post` / `x_read` (sc
 `k_ready` / `k_free` (shared K tile, staged mode without the exchange), `ibar_idx` / `ibar`
 (interpreter only: the Pallas-level gather's copies). SMEM, staged fp8 (GPU):
 Q 64 KiB + K 64 KiB + staging 41 KiB + RoPE rows 9 KiB + scales 2 KiB + exchange 32 KiB; direct:
-Q 64 KiB + K 2 x 64 KiB + exchange 16 KiB. The gather of block n + 1 overlaps the matmuls and
-softmax of block n (and in direct mode its whole chain); the dequantization does not overlap the
-matmuls.
+Q 64 KiB + K 2 x 64 KiB + exchange 16 KiB (+ 0.5 KiB of scale bytes). In direct mode the gather
+(and conversion) of block n + 1 overlaps the whole compute chain of block n; in staged mode the
+gather overlaps the matmuls and softmax, the dequantization does not.
 
 Outputs: with one split, the final bf16 O (normalized, sink in the denominator), the natural-log
 lse (+inf for an empty row, sink excluded) and max_logits (-inf when empty); with several
@@ -56,9 +60,10 @@ Interpreter differences (`spec.interpret`, see `_interpret.py`): Mosaic GPU inte
 wgmma A operands from SMEM only and cannot store into an accumulator, so P is staged in SMEM and
 P V is added to O after the wgmma; it cannot run `inline_mgpu`, so the memory warpgroup gathers
 with Pallas-level copies (one per token, masked rows of the direct-mode K tile stored as zeros,
-masked staged rows selected to 0 by the compute warpgroups), and the fp8 RoPE bytes are
-recombined into bf16 by a small integer wgmma (`_rope_combiner`: lo + 256 hi, since Pallas has no
-width-changing bitcast). The barrier protocol and the compute are the same program.
+masked staged rows selected to 0), fp8 records are staged whole and dequantized with Pallas
+operations (by the memory warpgroup in direct mode, from f32 scale rows), and the fp8 RoPE bytes
+are recombined into bf16 by a small integer wgmma (`_rope_combiner`: lo + 256 hi, since Pallas has
+no width-changing bitcast). The barrier protocol and the compute are the same program.
 
 SM100 (Blackwell) runs this same SM90-style kernel for now (wgmma; no tcgen05/TMEM, no TMA gather).
 """
