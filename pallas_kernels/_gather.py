@@ -4,13 +4,15 @@ Pallas' own `copy_gmem_to_smem` issues one bulk copy at a time from an elected t
 warpgroup barrier and a 128-thread barrier arrival per copy; with one copy per token that loop
 took ~190 cycles per token and, measured alone, 680 us of the 1270 us decode headline
 (benchmarks/pallas_notes.md, section 6). Here every thread of the memory warpgroup issues its own
-share of a 64-token block as 16-byte `cp.async.cg` copies, written with `plgpu.inline_mgpu`
+share of a 64-token block as 16-byte `cp.async.cg` copies (and, for fp8 scale bytes, 8-byte
+`cp.async.ca`), written with `plgpu.inline_mgpu`
 (Mosaic GPU's escape hatch; this is the only use of it, and the interpreter cannot run it, so the
 kernel keeps a Pallas-level formulation for interpret mode).
 
 Work split: warp `w` of the memory warpgroup takes tokens w, w + 4, ..., w + 60; per token its 32
 lanes copy consecutive 16-byte chunks (one coalesced 512 B request per instruction). Each lane
-reads the token's source (byte offset / row number, -1 masked) itself from global memory. Masked
+reads the token's source (byte offset / row number, -1 masked) itself from global memory
+(`fp8_tile`: lane l loads token w + 4 (l % 16)'s and the warp shuffles them). Masked
 tokens copy with source size 0, which zero-fills the destination (required where the kernel feeds
 the destination straight into a wgmma: a masked row must be 0, never stale or NaN).
 
@@ -263,7 +265,8 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     landed, one token at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and,
     for l < 24, of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of
     the raw bytes precede the writes that overwrite them), and lane l writes chunk l of both halves
-    (x * 2^(e - 127), rounded once to bf16; e = 0 gives 0, as in the reference)."""
+    (x * 2^(e - 127), rounded once to bf16; e = 0 gives 0, as the staged kernel's XLA factors do:
+    the reference's 2^-127 differs by < 448 * 2^-127, and the quantizer never writes a 0 byte)."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)

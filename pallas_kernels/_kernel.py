@@ -27,15 +27,16 @@ Two modes:
   zero-fill. It waits for its own copies (`cp.async.wait_group`), fences them for the async proxy
   and arrives on the buffer's `full` barrier. bf16-only direct kernels publish block n - 1 before
   waiting for the release of block n's buffer; fp8 kernels publish each block once converted.
-- wg 0 and wg 1, the *compute* warpgroups (232 registers): warpgroup w owns latent dims
+- wg 0 and wg 1, the *compute* warpgroups (232 registers; 224 beside an fp8-converting memory
+  warpgroup: `KernelSpec.registers`): warpgroup w owns latent dims
   [256 w, 256 w + 256). In staged mode, per block it dequantizes its dims of the staged tokens
   into its half of the bf16 K tile (swizzled SMEM): e4m3 * 2^(e - 127) for NoPE tiles, the RoPE
   rows copied as they are (masked rows are already 0) and releases the staging buffer. Then
   S = Q K^T (wgmma): with `qk_exchange` each warpgroup contracts its own 256 dims and the two f32
   partials are exchanged through SMEM (two 16 KiB buffers where SMEM allows: both post at once;
   one buffer in direct mode: wg 0 posts, wg 1 takes it and posts its own); both sum S_0 + S_1 in
-  that order, so both hold bitwise-identical scores. Without the exchange (bf16 + fp8 pools, whose
-  two staging views leave no room for the buffer) both contract all 512 dims. Both run the same
+  that order, so both hold bitwise-identical scores. Without the exchange (staged bf16 + fp8 pools,
+  whose two staging views leave no room for the buffer) both contract all 512 dims. Both run the same
   online softmax (exp2 domain, masked columns -inf, running max starts at -inf with a guard so
   (-inf) - (-inf) never occurs) and accumulate their own half of O += P V (wgmma, P from
   registers, V = the K tile: K = V = the latent) with P = P_hi + P_lo in two bf16 terms: one bf16
@@ -125,7 +126,8 @@ class KernelSpec:
     qk_exchange: bool = True  # split Q K^T by dims across the two compute warpgroups (else both do all)
     p_split: bool = True  # P V as (P_hi + P_lo) V; False only for timing experiments (misses tolerances)
     # Timing experiments only (wrong results): "no_copy" (the memory warpgroup arrives without copying
-    # tokens), "no_compute" (compute warpgroups only wait and release), "no_dequant" (K tile not rewritten).
+    # tokens), "no_compute" (compute warpgroups only wait and release), "no_dequant" (staged fp8 kernels:
+    # the K tile not rewritten).
     ablate: str = ""
     # fp8 pools dequantized by the memory warpgroup straight into the K ring (False: staged in SMEM
     # and dequantized by the compute warpgroups, the 8f294f1 kernel; kept for comparison)
@@ -185,8 +187,10 @@ class KernelSpec:
 def smem_bytes(spec: KernelSpec) -> int:
     """Dynamic SMEM the GPU kernel asks for, with 1 KiB alignment per buffer (what Mosaic GPU pads to).
 
-    The same figure for interpreter specs (whose extra buffers -- P and RoPE staging, the combiner --
-    are not counted), so that CPU tests make the same choices (`qk_exchange`) as the GPU."""
+    The same figure for interpreter specs (whose extra buffers -- P and RoPE staging, the combiner, the
+    direct fp8 record staging -- are not counted), so that CPU tests make the same choices
+    (`qk_exchange`) as the GPU. The scale buffer is counted as the f32 [8, 64] rows (2 KiB) in every
+    mode (the GPU direct kernel's byte rows take 0.5 KiB)."""
     def al(n):
         return -(-n // 1024) * 1024
 
@@ -224,8 +228,8 @@ def build_kernel(spec: KernelSpec):
         raise ValueError(f"ablate must be '', 'no_copy', 'no_compute' or 'no_dequant', got {spec.ablate!r}")
     if spec.mem_regs and (spec.mem_regs % 8 or not 24 <= spec.mem_regs <= 120):
         raise ValueError(f"mem_regs must be 0 (automatic) or a multiple of 8 in [24, 120], got {spec.mem_regs}")
-    if spec.ablate == "no_dequant" and spec.direct:
-        raise ValueError("ablate='no_dequant' applies to staged kernels (fp8_direct=False)")
+    if spec.ablate == "no_dequant" and spec.has_fp8 and spec.direct:
+        raise ValueError("ablate='no_dequant' applies to staged fp8 kernels (fp8_direct=False)")
     if spec.ablate == "no_compute" and not spec.qk_exchange and not spec.direct:
         raise ValueError("ablate='no_compute' needs qk_exchange=True (the k_free barrier would never complete)")
     if smem_bytes(spec) > _SMEM_LIMIT:
@@ -620,8 +624,8 @@ def build_kernel(spec: KernelSpec):
         # bytes [64, 8] (the GPU direct kernel reads them from the cache)
         (plgpu.SMEM((T, 8), jnp.uint8) if spec.scale_offsets else plgpu.SMEM((8, T), jnp.float32)) if has_fp8 else None,
         plgpu.SMEM((NB, T), jnp.int32),  # the block's sources (ring)
-        # fp8: the RoPE combiner (interpreter) or the RoPE staging rows (GPU: the gather copies a
-        # record's RoPE bytes here, where they read as the bf16 values they are)
+        # fp8: the RoPE combiner (interpreter) or the RoPE staging rows (GPU staged kernels: the gather
+        # copies a record's RoPE bytes here, where they read as the bf16 values they are)
         (plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret
          else plgpu.SMEM((T, ROPE_PITCH), jnp.bfloat16)) if has_fp8 and (spec.interpret or not spec.direct) else None,
         plgpu.SMEM((HB,), jnp.float32) if has_sink else None,

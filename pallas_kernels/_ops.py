@@ -4,10 +4,12 @@ The XLA side only touches indices and per-entry metadata, never the KV data:
 - per pool and selected entry, the source of the token in the cache -- the byte offset of its
   fp8_ds_mla record (`block * page_bytes + offset * 576`) or its bf16 row (the global slot) --
   or -1 when the entry is masked (index < 0, index >= capacity, or position >= topk_length);
-- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad), one 8-byte gather
-  per entry (1.4 % of the bytes per token), turned into the factors 2^(e - 127) as f32 laid out
-  [row, block, group, token], so the kernel loads one group's per-token factors as one row
-  vector (no reduction across lanes); masked entries read nothing and get 0;
+- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad): on the GPU's direct
+  kernel (the default) their byte offsets, read by the kernel itself; for the staged kernel
+  (`fp8_direct=False`) and the interpreter one 8-byte gather per entry (1.4 % of the bytes per
+  token), turned into the factors 2^(e - 127) as f32 laid out [row, block, group, token], so the
+  kernel loads one group's per-token factors as one row vector; masked entries read nothing and
+  get 0 (-1 offsets);
 - per row and pool, the number of 64-token blocks `ceil(min(topk_length, topk) / 64)`.
 
 Splits: a fixed split of each row's valid blocks into `num_splits` equal parts (not FlashMLA's
@@ -53,8 +55,8 @@ def num_splits_override(n: int | None):
 
 @contextlib.contextmanager
 def kernel_options(**options):
-    """Override `KernelSpec` fields (`qk_exchange`, `p_split`, the timing-only `ablate`) of kernels traced
-    inside (benchmarks)."""
+    """Override `KernelSpec` fields (`qk_exchange`, `p_split`, `fp8_direct` -- which also selects the fp8
+    scale operands --, `mem_regs`, the timing-only `ablate`) of kernels traced inside (benchmarks)."""
     prev = getattr(_override, "options", {})
     _override.options = {**prev, **options}
     try:
