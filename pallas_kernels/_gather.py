@@ -96,12 +96,32 @@ def _cp16(dst32, src64, nbytes32):
                     "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True)
 
 
+def _if(pred, instr, operands, constraints):
+    """The PTX instruction `instr` (operands $1.., constraints without the predicate's) by the threads
+    whose `pred` (i32) is nonzero."""
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, *operands],
+                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p " + instr + "\n}", "r," + constraints,
+                    has_side_effects=True)
+
+
 def _cp16_if(pred, dst32, src64, nbytes32=None):
     """`_cp16` by the threads whose `pred` (i32) is nonzero."""
     nbytes32 = nbytes32 if nbytes32 is not None else _i32(16)
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, src64, nbytes32],
-                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p cp.async.cg.shared.global [$1], [$2], 16, $3;\n}",
-                    "r,r,l,r", has_side_effects=True)
+    _if(pred, "cp.async.cg.shared.global [$1], [$2], 16, $3;", [dst32, src64, nbytes32], "r,l,r")
+
+
+def _commit():
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
+
+
+def _wait(pending: int):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {pending};", "", has_side_effects=True)
+
+
+def _entry(cache64, valid, off):
+    """Global address `cache64 + off` of an entry's bytes; the cache's start when masked (never read:
+    its copies are zero-filled or predicated off)."""
+    return arith.addi(cache64, arith.select(valid, arith.extsi(ir.IntegerType.get_signless(64), off), _i64(0)))
 
 
 def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
@@ -142,6 +162,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
             rope32 = _smem32(fp8_refs[2])
             # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
             _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
+        tile_base = _row_base(dst32, 0, warp, lane) if kind == "bf16_tile" else None
         if kind == "fp8_tile":
             _fp8_in_place(cache64, src64, _addr64(fp8_refs[0]), _addr64(fp8_refs[2]), _addr64(fp8_refs[3]),
                           dst32, _smem32(fp8_refs[1]), lane, warp)
@@ -152,8 +173,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
             valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
             nbytes = arith.select(valid, _i32(16), _i32(0))
             if kind == "fp8_stage":
-                base = arith.select(valid, arith.extsi(i64, off), _i64(0))
-                g = arith.addi(cache64, base)
+                g = _entry(cache64, valid, off)
                 row = arith.addi(dst32, arith.muli(tok, _i32(pitch)))
                 rope = arith.addi(rope32, arith.muli(tok, _i32(rope_pitch)))  # the RoPE row
                 # chunk `lane` (bytes 0..511): NoPE chunks 0..27 to the staging row, RoPE chunks 0..3
@@ -170,20 +190,15 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
                 g = arith.addi(cache64, base)
                 if kind == "bf16_stage":  # chunk `lane` of the row's half 0 in the staging row
                     d0 = arith.addi(arith.addi(dst32, arith.muli(tok, _i32(pitch))), lane16)
-                else:
-                    # half 0: tile (tok // 8, lane // 8), line tok % 8, chunk (lane % 8) ^ (tok % 8)
-                    r = arith.andi(tok, _i32(7))
-                    tile = arith.addi(arith.muli(arith.shrui(tok, _i32(3)), _i32(4)), arith.shrui(lane, _i32(3)))
-                    q = arith.xori(arith.andi(lane, _i32(7)), r)
-                    d0 = arith.addi(dst32, arith.muli(tile, _i32(1024)))
-                    d0 = arith.addi(d0, arith.addi(arith.muli(r, _i32(128)), arith.muli(q, _i32(16))))
+                else:  # chunk `lane` of half 0 of K row tok (swizzled)
+                    d0 = _row_at(tile_base, k)
                 # half h (dims [256 h + 8 lane, +8)): 512 B further in a staging row, 32 KiB (the
                 # other K half) further in the tile
                 half_step = 512 if kind == "bf16_stage" else _T * 256 * 2
                 for h in range(2):
                     src = arith.addi(g, arith.addi(lane16_64, _i64(512 * h)))
                     _cp16(arith.addi(d0, _i32(half_step * h)), src, nbytes)
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "cp.async.commit_group;", "", has_side_effects=True)
+        _commit()
 
     return issue
 
@@ -226,27 +241,8 @@ def _lds_u8(addr32):
                            has_side_effects=True)
 
 
-def _cp8_if(pred, dst32, src64, nbytes32):
-    """cp.async of 8 B (`nbytes32` of them read, the rest zero-filled) by the threads whose `pred` is nonzero."""
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, src64, nbytes32],
-                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p cp.async.ca.shared.global [$1], [$2], 8, $3;\n}",
-                    "r,r,l,r", has_side_effects=True)
-
-
-def _st_v4_if(pred, dst32, words):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst32, *words],
-                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p st.shared.v4.b32 [$1], {$2, $3, $4, $5};\n}",
-                    "r,r,r,r,r,r", has_side_effects=True)
-
-
 def _warp_sync():
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.warp.sync -1;", "", has_side_effects=True)
-
-
-def _prefetch_l2_if(pred, addr64):
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, addr64],
-                    "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p prefetch.global.L2 [$1];\n}", "r,l",
-                    has_side_effects=True)
 
 
 _GROUPS = 4  # cp.async groups per block in fp8_tile: the conversion of one overlaps the later ones' copies
@@ -271,7 +267,6 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
     f32 = ir.F32Type.get()
-    void = ir.Type.parse("!llvm.void")
     lane16_64 = arith.extui(i64, arith.muli(lane, _i32(16)))
     # lane l (mod 16) holds the source of token w + 4 (l % 16), of this block and of the next
     my_tok4 = arith.extui(i64, arith.muli(arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4))),
@@ -293,26 +288,26 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         off = _shfl(offs, _i32(k))
         valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
         nbytes = arith.select(valid, _i32(16), _i32(0))
-        g = arith.addi(cache64, arith.select(valid, arith.extsi(i64, off), _i64(0)))
+        g = _entry(cache64, valid, off)
         _cp16(_row_at(dst_base, k), arith.addi(g, lane16_64), nbytes)
         _cp16_if(tail, _row_at(tail_base, k), arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
         soff = _shfl(soffs, _i32(k))
-        sg = arith.addi(cache64, arith.select(valid, arith.extsi(i64, soff), _i64(0)))
-        _cp8_if(lane4, arith.addi(sc_row, _i32(32 * k)), sg, arith.select(valid, _i32(8), _i32(0)))
+        # 8 B (0 read when masked: zero-filled)
+        _if(lane4, "cp.async.ca.shared.global [$1], [$2], 8, $3;",
+            [arith.addi(sc_row, _i32(32 * k)), _entry(cache64, valid, soff), arith.select(valid, _i32(8), _i32(0))],
+            "r,l,r")
         if k % per == per - 1:
-            llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
+            _commit()
     # the next block's records into L2 (5 lines of 128 B each): lanes 0..15 lines 0..2, 16..31 lines 3..4
     nvalid = arith.cmpi(arith.CmpIPredicate.sge, noffs, _i32(0))
-    nbase = arith.addi(cache64, arith.select(nvalid, arith.extsi(i64, noffs), _i64(0)))
-    upper = arith.cmpi(arith.CmpIPredicate.uge, lane, _i32(16))
+    nbase = _entry(cache64, nvalid, noffs)
+    lower = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16))
     for line in range(3):
-        lo_line, hi_line = line, 3 + line
-        ok = nvalid if line < 2 else arith.andi(nvalid, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16)))
-        off_b = arith.select(upper, _i64(128 * hi_line), _i64(128 * lo_line))
-        _prefetch_l2_if(arith.extui(i32, ok), arith.addi(nbase, off_b))
+        ok = nvalid if line < 2 else arith.andi(nvalid, lower)
+        off_b = arith.select(lower, _i64(128 * line), _i64(128 * (3 + line)))
+        _if(arith.extui(i32, ok), "prefetch.global.L2 [$1];", [arith.addi(nbase, off_b)], "l")
     # and its scale bytes (8 of them, never across a line): lanes 0..15
-    _prefetch_l2_if(arith.extui(i32, arith.andi(nvalid, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16)))),
-                    arith.addi(cache64, arith.select(nvalid, arith.extsi(i64, nsoffs), _i64(0))))
+    _if(arith.extui(i32, arith.andi(nvalid, lower)), "prefetch.global.L2 [$1];", [_entry(cache64, nvalid, nsoffs)], "l")
 
     half = arith.shrui(lane, _i32(1))
     sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))  # the lane's 8 bytes within the 16-byte chunk
@@ -334,7 +329,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     for k in range(_T // 4):
         if k % per == 0:
             grp = k // per
-            llvm.inline_asm(void, [], f"cp.async.wait_group {_GROUPS - 1 - grp};", "", has_side_effects=True)
+            _wait(_GROUPS - 1 - grp)
             _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
         r0 = _lds(2, _row_at(raw0, k))
         r1 = _lds(2, _row_at(raw1, k))
@@ -345,7 +340,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         w0 = conv(r0[0], sc0) + conv(r0[1], sc0)
         w1 = conv(r1[0], sc1) + conv(r1[1], sc1)
         _st_v4(_row_at(out0, k), w0)
-        _st_v4_if(low32, _row_at(out1, k), w1)
+        _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w1], "r,r,r,r,r")
 
 
 def wait_groups(pending: int):
@@ -354,7 +349,6 @@ def wait_groups(pending: int):
     @plgpu.inline_mgpu()
     def wait(ctx):
         del ctx
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {pending};", "",
-                        has_side_effects=True)
+        _wait(pending)
 
     return wait

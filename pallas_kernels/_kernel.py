@@ -255,11 +255,9 @@ def build_kernel(spec: KernelSpec):
          a_smem, u_smem, ibar_idx, ibar) = scratch
         exchange = spec.qk_exchange
         direct, NB = spec.direct, spec.nbuf
-        if direct:  # the interpreter stages fp8 records for the memory warpgroup's dequantization
-            stage_u8, stage_bf = stage, None
-        elif has_fp8 and has_bf16:
+        if has_fp8 and has_bf16 and not direct:
             stage_u8, stage_bf = stage
-        elif has_fp8:
+        elif has_fp8:  # direct: the interpreter's fp8 record staging (None on the GPU)
             stage_u8, stage_bf = stage, None
         else:
             stage_u8, stage_bf = None, stage
@@ -604,11 +602,9 @@ def build_kernel(spec: KernelSpec):
             compute(1)
 
     NB = spec.nbuf
-    stage = None
-    interp_fp8_direct = spec.direct and has_fp8 and spec.interpret
-    if interp_fp8_direct:
-        stage = plgpu.SMEM((T, FP8_PITCH), jnp.uint8)
-    if not spec.direct:
+    if spec.direct:  # the interpreter stages fp8 records for the memory warpgroup's dequantization
+        stage = plgpu.SMEM((T, FP8_PITCH), jnp.uint8) if has_fp8 and spec.interpret else None
+    else:
         stage_types = []
         if has_fp8:
             stage_types.append(plgpu.SMEM((T, FP8_PITCH), jnp.uint8))
