@@ -83,7 +83,7 @@ from jax import lax
 from pallas_kernels import _gather
 
 
-__all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "smem_bytes"]
+__all__ = ["PoolSpec", "KernelSpec", "build_kernel", "T", "HB", "smem_bytes", "fp8_scale_offsets"]
 
 T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
 HB = 64  # heads per program (the wgmma M)
@@ -171,7 +171,7 @@ class KernelSpec:
     @property
     def scale_offsets(self) -> bool:
         """fp8 scale operands are byte offsets of the UE8M0 bytes (GPU direct kernel), not f32 rows."""
-        return self.has_fp8 and self.direct and not self.interpret
+        return self.has_fp8 and fp8_scale_offsets(self.fp8_direct, self.interpret)
 
     @property
     def xbufs(self) -> int:
@@ -182,6 +182,13 @@ class KernelSpec:
     def nbuf(self) -> int:
         """Buffers of the gather ring: K tiles in direct mode, the raw staging buffer otherwise."""
         return 2 if self.direct else 1
+
+
+def fp8_scale_offsets(fp8_direct: bool, interpret: bool) -> bool:
+    """Whether a kernel's fp8 pools take scale byte offsets (the GPU direct kernel reads the UE8M0
+    bytes itself) or f32 scale rows (staged kernels; the interpreter's Pallas-level dequantization).
+    `_ops` asks before it builds the operands, `KernelSpec.scale_offsets` after."""
+    return fp8_direct and not interpret
 
 
 def smem_bytes(spec: KernelSpec) -> int:

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
 from pallas_kernels import _interpret
-from pallas_kernels._kernel import _SMEM_LIMIT, FP8_RECORD, HB, T, KernelSpec, PoolSpec, build_kernel, smem_bytes
+from pallas_kernels._kernel import (_SMEM_LIMIT, FP8_RECORD, HB, T, KernelSpec, PoolSpec, build_kernel,
+                                    fp8_scale_offsets, smem_bytes)
 
 __all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
            "num_splits_override", "kernel_options"]
@@ -196,8 +197,9 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits):
 
 
 def _scale_offsets() -> bool:
-    """Whether fp8 pools pass scale byte offsets (the GPU direct kernel) rather than f32 scale rows."""
-    return not _interpret.active() and getattr(_override, "options", {}).get("fp8_direct", True)
+    """`fp8_scale_offsets` for the kernel `_run` will build (options and interpret mode of this trace)."""
+    fp8_direct = getattr(_override, "options", {}).get("fp8_direct", KernelSpec.fp8_direct)
+    return fp8_scale_offsets(fp8_direct, _interpret.active())
 
 
 def decode(call, *, num_splits: int | None = None):

@@ -13,8 +13,9 @@ once, q read and out written once), and the two floors (FLOPs at 790 TFLOP/s bf1
 Variants: `default` (what `impl="pallas"` runs), `redundant_qk` (both compute warpgroups
 contract all 512 dims instead of exchanging partial scores), `bf16_p` (a single bf16 P, the
 FlashMLA choice: faster, but misses the output tolerance on the project's test data; timing only),
-`splits=N` (forced split count), `mem_regs=N` (the memory warpgroup's registers), `a+b` (both); timing experiments that leave one stage out (wrong results):
-`no_copy` (no token copies), `no_compute` (compute warpgroups only wait and release the staging),
+`splits=N` (forced split count), `mem_regs=N` (the memory warpgroup's registers), `a+b` (both);
+timing experiments that leave one stage out (wrong results): `no_copy` (no token copies),
+`no_compute` (compute warpgroups only wait and release the buffer),
 `staged_no_dequant` (the staged kernel without its dequantization); `staged` (fp8 records staged in
 SMEM and dequantized by the compute warpgroups, the 8f294f1 kernel, instead of dequantized by the
 memory warpgroup into the K ring). `--variants a,b --cases decode,prefill` picks them.
@@ -135,8 +136,7 @@ def run(name, kind, case, variant, iters):
         elif part == "staged_no_dequant":
             opts.update(fp8_direct=False, ablate="no_dequant")
         elif part.startswith("mem_regs="):
-            key, val = part.split("=")
-            opts[key] = int(val)
+            opts["mem_regs"] = int(part.split("=")[1])
         elif part.startswith("splits="):
             splits = int(part.split("=")[1])
         elif part != "default":
