@@ -85,6 +85,66 @@ def _e4m3x2_to_bf16x2(pair16, scale):
     return llvm.inline_asm(i32, [pair16, scale], asm, "=r,h,f", has_side_effects=False)
 
 
+def _token_f16_asm() -> str:
+    """PTX of `_e4m3_token_f16`: outputs $0..$7, inputs $8..$11 (words), $12, $13 (e0, e1), $14 (low)."""
+    lines = [
+        "{", ".reg .b32 s0, s1, t0, t1, h;", ".reg .b16 a, b, c, d;", ".reg .f32 x, y, f0, f1;", ".reg .pred p, q;",
+        "sub.s32 t0, $12, 112;", "shl.b32 s0, t0, 10;", "prmt.b32 s0, s0, 0, 0x1010;",
+        "sub.s32 t1, $13, 112;", "shl.b32 s1, t1, 10;", "prmt.b32 s1, s1, 0, 0x1010;",
+        "sub.s32 t0, t0, 1;", "setp.gt.u32 p, t0, 21;", "sub.s32 t1, t1, 1;", "setp.gt.u32 q, t1, 21;",
+        "setp.ne.and.b32 q, $14, 0, q;", "or.pred p, p, q;", "vote.sync.any.pred p, p, -1;", "@p bra SLOW;",
+    ]
+    for i in range(4):  # fast: word i -> outputs 2 i, 2 i + 1
+        s = "s0" if i < 2 else "s1"
+        lines += [f"mov.b32 {{a, b}}, ${8 + i};",
+                  "cvt.rn.f16x2.e4m3x2 h, a;", f"mul.rn.f16x2 ${2 * i}, h, {s};",
+                  "cvt.rn.f16x2.e4m3x2 h, b;", f"mul.rn.f16x2 ${2 * i + 1}, h, {s};"]
+    lines += ["bra DONE;", "SLOW:", "shl.b32 t0, $12, 23;", "mov.b32 f0, t0;", "shl.b32 t1, $13, 23;",
+              "mov.b32 f1, t1;"]
+    for i in range(4):
+        f = "f0" if i < 2 else "f1"
+        lines.append(f"mov.b32 {{a, b}}, ${8 + i};")
+        for j, half in enumerate("ab"):
+            lines += [f"cvt.rn.f16x2.e4m3x2 h, {half};", "mov.b32 {c, d}, h;", "cvt.f32.f16 x, c;", "cvt.f32.f16 y, d;",
+                      f"mul.f32 x, x, {f};", f"mul.f32 y, y, {f};", f"cvt.rn.satfinite.f16x2.f32 ${2 * i + j}, y, x;"]
+    lines += ["DONE:", "}"]  # labels are local to the braces: the block may be inlined many times
+    return "\n".join(lines)
+
+
+def _e4m3_token_f16(words, e0, e1, low):
+    """One token's conversion by one lane in f16 mode: `words` (i32 x 4: 8 e4m3 of half 0, then 8 of
+    half 1) times 2^(e0 - 127) and 2^(e1 - 127) (the UE8M0 bytes, i32) -> 8 f16x2 words (i32, low
+    element first), half 0's then half 1's (`low` nonzero: the lane's half-1 bytes are NoPE values;
+    zero: ignored, and so is e1).
+
+    Fast path, when every lane's exponents lie in [113, 134] (scale and products normal f16 numbers,
+    the products at most 448 * 2^7: every scale the quantizer writes for tiles of amax in [0.014,
+    28672]): e4m3x2 -> f16x2 (exact) times the f16x2 scale, rounded once. Otherwise (the warp votes)
+    the f32 path: x * 2^(e - 127) in f32 (e = 0 -> 0), rounded once to f16, saturated to +-65504.
+    Both give the reference's f32 value rounded to f16."""
+    i32 = ir.IntegerType.get_signless(32)
+    ty = ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * 8) + ")>")
+    st = llvm.inline_asm(ty, [*words, e0, e1, low], _token_f16_asm(), ",".join(["=r"] * 8 + ["r"] * 7),
+                         has_side_effects=True)
+    return [llvm.extractvalue(i32, st, [k]) for k in range(8)]
+
+
+def _rope_f16_asm() -> str:
+    """PTX of `_rope_to_f16`: input $0, the chunk's shared address."""
+    lines = ["{", ".reg .b32 w<4>, o<4>;", ".reg .f32 l, h;", "ld.shared.v4.b32 {w0, w1, w2, w3}, [$0];"]
+    for i in range(4):  # bf16 -> f32 is a 16-bit shift
+        lines += [f"shl.b32 l, w{i}, 16;", f"and.b32 h, w{i}, 0xffff0000;",
+                  f"cvt.rn.satfinite.f16x2.f32 o{i}, h, l;"]
+    lines += ["st.shared.v4.b32 [$0], {o0, o1, o2, o3};", "}"]
+    return "\n".join(lines)
+
+
+def _rope_to_f16(addr32):
+    """The 16-byte chunk at `addr32` (8 bf16, the RoPE values) rewritten as 8 f16: each value
+    rounded once, saturated to +-65504."""
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr32], _rope_f16_asm(), "r", has_side_effects=True)
+
+
 def _st_v4(dst32, words):
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst32, *words], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
                     "r,r,r,r,r", has_side_effects=True)
@@ -124,7 +184,7 @@ def _entry(cache64, valid, off):
     return arith.addi(cache64, arith.select(valid, arith.extsi(ir.IntegerType.get_signless(64), off), _i64(0)))
 
 
-def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
+def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, f16: bool = False):
     """Returns `f(cache, src_blk, dst, idx_dst, *fp8_refs)` for `plgpu` code (memory warpgroup).
 
     cache: the pool's GMEM operand (fp8: uint8 bytes; bf16: [rows, 512]); src_blk: int32 [64], this
@@ -132,7 +192,9 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
     idx_dst: int32 [64] SMEM. fp8_refs, `fp8_stage`: scales_blk f32 [8, 64] (GMEM), scale_dst (SMEM)
     and rope_dst (SMEM bf16 rows of `rope_pitch` bytes); `fp8_tile`: the block's scale-byte offsets
     int32 [64] (GMEM), scale_dst uint8 [64, 8] (SMEM), and the next block's sources and scale-byte
-    offsets (GMEM, for the L2 prefetch).
+    offsets (GMEM, for the L2 prefetch). `f16`: the K tile holds float16 (`fp8_tile` converts the
+    records and their RoPE values to f16; row pools are copied as they are, so the caller gives
+    f16 rows).
     """
     if kind not in ("fp8_stage", "bf16_stage", "bf16_tile", "fp8_tile"):
         raise ValueError(f"kind must be fp8_stage, bf16_stage, bf16_tile or fp8_tile, got {kind!r}")
@@ -165,7 +227,7 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0):
         tile_base = _row_base(dst32, 0, warp, lane) if kind == "bf16_tile" else None
         if kind == "fp8_tile":
             _fp8_in_place(cache64, src64, _addr64(fp8_refs[0]), _addr64(fp8_refs[2]), _addr64(fp8_refs[3]),
-                          dst32, _smem32(fp8_refs[1]), lane, warp)
+                          dst32, _smem32(fp8_refs[1]), lane, warp, f16)
             return
         for k in range(_T // 4):
             tok = arith.addi(warp, _i32(4 * k))
@@ -246,9 +308,10 @@ def _warp_sync():
 
 
 _GROUPS = 4  # cp.async groups per block in fp8_tile: the conversion of one overlaps the later ones' copies
+assert (_T // 4 // _GROUPS) % 4 == 0  # f16: a group's RoPE chunks (8 per token) cover the warp's lanes
 
 
-def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp):
+def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp, f16=False):
     """fp8_ds_mla records of the block -> bf16 rows of the K buffer, converted in place.
 
     Warp w takes tokens w, w + 4, ... . Copies (`cp.async`, so that all 64 records are in flight
@@ -262,7 +325,9 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     for l < 24, of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of
     the raw bytes precede the writes that overwrite them), and lane l writes chunk l of both halves
     (x * 2^(e - 127), rounded once to bf16; e = 0 gives 0, as the staged kernel's XLA factors do:
-    the reference's 2^-127 differs by < 448 * 2^-127, and the quantizer never writes a 0 byte)."""
+    the reference's 2^-127 differs by < 448 * 2^-127, and the quantizer never writes a 0 byte).
+    `f16`: the rows are written as f16 (`_e4m3_token_f16`), and once a group has landed each lane
+    also rewrites one RoPE chunk of the group's tokens (bf16 -> f16, `_rope_to_f16`)."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
@@ -319,6 +384,12 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     raw0 = arith.addi(_row_base(dst32, 0, warp, half), sub)
     raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(half, _i32(16))), sub)
     out0, out1 = _row_base(dst32, 0, warp, lane), _row_base(dst32, 1, warp, lane)
+    if f16:
+        # lane l's RoPE chunk of a group: chunk 24 + l % 8 of half 1 of token k0 + l // 8 (k0 even)
+        kk = arith.shrui(lane, _i32(3))
+        rope = _row_base(dst32, 1, warp, arith.addi(arith.andi(lane, _i32(7)), _i32(24)))
+        rope = arith.xori(rope, arith.muli(arith.andi(kk, _i32(1)), _i32(0x240)))
+        rope = arith.addi(rope, arith.muli(arith.shrui(kk, _i32(1)), _i32(4096)))
 
     def conv(word, sc):
         f = llvm.bitcast(f32, sc)
@@ -331,8 +402,19 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
             grp = k // per
             _wait(_GROUPS - 1 - grp)
             _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
+            if f16:
+                for k0 in range(k, k + per, 4):
+                    _rope_to_f16(arith.addi(rope, _i32((k0 // 2) * 4096)))
         r0 = _lds(2, _row_at(raw0, k))
         r1 = _lds(2, _row_at(raw1, k))
+        if f16:
+            e0 = _lds_u8(arith.addi(s0_off, _i32(32 * k)))
+            e1 = _lds_u8(arith.addi(s1_off, _i32(32 * k)))
+            _warp_sync()  # the token's raw bytes are read before any lane overwrites them
+            w = _e4m3_token_f16(r0 + r1, e0, e1, low32)
+            _st_v4(_row_at(out0, k), w[:4])
+            _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w[4:]], "r,r,r,r,r")
+            continue
         # 2^(e - 127) as f32 bits: e << 23 (e = 0 -> 0)
         sc0 = arith.shli(_lds_u8(arith.addi(s0_off, _i32(32 * k))), _i32(23))
         sc1 = arith.shli(_lds_u8(arith.addi(s1_off, _i32(32 * k))), _i32(23))

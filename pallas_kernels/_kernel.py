@@ -94,6 +94,7 @@ FP8_RECORD = 576
 FP8_PITCH = 656  # staging row pitch: 164 words, rows 4 banks apart -> conflict-free wgmma-layout loads
 BF16_PITCH = 520  # bf16 elements; 1040 B = 260 words, likewise
 ROPE_PITCH = 72  # bf16 elements; 144 B = 36 words: the RoPE staging rows (GPU path), likewise
+F16_MAX = 65504.0
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 REG_BUDGET = 504  # registers per (memory, compute, compute) thread triple: 65536 // 384 rounded to 8, x 3
@@ -135,6 +136,8 @@ class KernelSpec:
     # Registers per thread of the memory warpgroup (0: 56 when it converts fp8 records, else 40);
     # the compute warpgroups get the rest of the CTA's 504 (`registers`).
     mem_regs: int = 0
+    # Q, the K tile and P in float16 (direct kernels with the score exchange; see `f16_operands`)
+    f16: bool = True
 
     @property
     def head_groups(self) -> int:
@@ -167,6 +170,21 @@ class KernelSpec:
         not ask for more than 504 in all (64 + 224 + 224 = 512 hung the GPU). Multiples of 8."""
         mem = self.mem_regs or (56 if self.has_fp8 and self.direct else 40)
         return mem, (REG_BUDGET - mem) // 16 * 8
+
+    @property
+    def f16_operands(self) -> bool:
+        """The wgmma operands are float16: Q (converted in SMEM by each compute warpgroup, its own
+        half), the K tile (fp8 records converted to f16 by the memory warpgroup, bf16 row pools
+        given as f16 rows by the caller) and P, so P V is one wgmma with an 11-bit P (FlashMLA's
+        single bf16 P misses the output tolerance on the project's test data; in bf16 P = P_hi +
+        P_lo costs a second P V wgmma). Values beyond +-65504 saturate. Direct kernels with the
+        score exchange only (each compute warpgroup converts its own Q half)."""
+        return self.f16 and self.direct and self.qk_exchange
+
+    @property
+    def dtype(self):
+        """Element type of the Q and K tiles (and of bf16 row pool operands)."""
+        return jnp.float16 if self.f16_operands else jnp.bfloat16
 
     @property
     def scale_offsets(self) -> bool:
@@ -219,7 +237,7 @@ def build_kernel(spec: KernelSpec):
     """Returns `f(q, counts, [sink], *pool_operands) -> (out, lse, max_logits)`.
 
     q: bf16 [R, Hp, 512]; counts: int32 [R, n_pools] (64-token blocks per row and pool); sink:
-    f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8 [bytes]; bf16: bf16
+    f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8 [bytes]; bf16: `spec.dtype`
     [rows, 512]), src int32 [R, kpad] (byte offset of the record / row number, -1 = masked),
     and for fp8 pools scales f32 [R, kpad / 64, 8, 64] (per 64-token block, group g of the 7
     NoPE groups (row 7 unused) and token: the factor 2^(e - 127) of the entry's UE8M0 byte; 0 when masked),
@@ -332,7 +350,7 @@ def build_kernel(spec: KernelSpec):
                         plgpu.barrier_arrive(ibar)
                     elif direct:  # a masked row of the K tile must be 0 (it feeds the wgmmas unselected)
                         for h in range(2):
-                            k_smem.at[b, h, pl.ds(i, 1)][...] = jnp.zeros((1, HALF), jnp.bfloat16)
+                            k_smem.at[b, h, pl.ds(i, 1)][...] = jnp.zeros((1, HALF), spec.dtype)
                             plgpu.barrier_arrive(ibar)
                     else:
                         plgpu.barrier_arrive(ibar)
@@ -403,7 +421,8 @@ def build_kernel(spec: KernelSpec):
                             extra = (scales.at[row, j], scale_smem, w_smem)
                         else:
                             extra = ()
-                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2)(
+                        _gather.issue_block(kind, FP8_PITCH if fp8 else BF16_PITCH * 2, ROPE_PITCH * 2,
+                                            f16=spec.f16_operands)(
                             cache, src.at[row, pl.ds(j * T, T)], dst, idx_smem.at[b], *extra)
                     if not deferred:
                         publish(b)
@@ -429,6 +448,14 @@ def build_kernel(spec: KernelSpec):
                 w_smem[...] = _rope_combiner()
                 plgpu.commit_smem()
             plgpu.barrier_wait(q_bar)
+            if spec.f16_operands:
+                # Q arrived as the bits of bf16 values: rewrite this warpgroup's half (the only one
+                # it contracts) as f16, 64 dims at a time (registers)
+                for j in range(HALF // 64):
+                    qj = q_smem.at[w, :, pl.ds(64 * j, 64)]
+                    x = plgpu.load(qj, layout=plgpu.Layout.WGMMA)
+                    qj[...] = _to_tile(lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32), jnp.float16)
+                plgpu.commit_smem()
             if has_sink:
                 sink = plgpu.load(sink_smem, layout=_ROW)
             def exchange_scores(s_own, n):
@@ -472,6 +499,8 @@ def build_kernel(spec: KernelSpec):
                 pexp = jnp.exp2(t - lax.broadcast_in_dim(m_use, (HB, T), [0]))
                 l = l * alpha + pexp.sum(axis=1)
                 o = o * lax.broadcast_in_dim(alpha, (HB, HALF), [0])
+                if spec.f16_operands:  # one f16 P (11 bits; pexp <= 1)
+                    return pexp.astype(jnp.float16), None, o, m_new, l
                 # P V with P = P_hi + P_lo (two bf16 terms, ~2^-16 relative): a single bf16 P
                 # (2^-9) misses FlashMLA's output tolerance on rows that mix large and small values.
                 p_hi = pexp.astype(jnp.bfloat16)
@@ -620,8 +649,8 @@ def build_kernel(spec: KernelSpec):
         stage = plgpu.RefUnion(*stage_types) if len(stage_types) == 2 else stage_types[0]
     staged_no_x = not spec.qk_exchange and not spec.direct
     scratch = (
-        plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # Q halves
-        plgpu.SMEM((NB, 2, T, HALF), jnp.bfloat16, transforms=(_TILE, _SWZ)),  # K tile halves (ring)
+        plgpu.SMEM((2, HB, HALF), spec.dtype, transforms=(_TILE, _SWZ)),  # Q halves
+        plgpu.SMEM((NB, 2, T, HALF), spec.dtype, transforms=(_TILE, _SWZ)),  # K tile halves (ring)
         stage,
         # per-group scale factors of the block: f32 [8, 64] (staged; interpreter), or the tokens' UE8M0
         # bytes [64, 8] (the GPU direct kernel reads them from the cache)
@@ -645,7 +674,7 @@ def build_kernel(spec: KernelSpec):
         plgpu.Barrier(num_arrivals=spec.xbufs) if spec.qk_exchange else None,
         plgpu.Barrier(num_arrivals=spec.xbufs) if spec.qk_exchange else None,
         # interpreter only: wgmma A operands staged in SMEM (P per compute warpgroup, RoPE bytes)
-        plgpu.SMEM((2, 2, HB, T), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret else None,
+        plgpu.SMEM((2, 2, HB, T), spec.dtype, transforms=(_TILE, _SWZ)) if spec.interpret else None,
         plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(_TILE, _SWZ)) if spec.interpret and has_fp8 else None,
         # interpreter only: the Pallas-level gather's own barriers (sources; one arrival per copy)
         plgpu.Barrier(num_arrivals=1) if spec.interpret else None,
@@ -701,8 +730,8 @@ def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
         y = x * lax.broadcast_in_dim(scale_g, (T, 64), [0])
         if vrow is not None:
             y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.float32))
-        k_smem.at[w, :, pl.ds(64 * (g - 4 * w), 64)][...] = y.astype(jnp.bfloat16)
-    if w == 1 and vrow is None:
+        k_smem.at[w, :, pl.ds(64 * (g - 4 * w), 64)][...] = _to_tile(y, k_smem.dtype)
+    if w == 1 and vrow is None:  # (staged kernels only: bf16 tiles)
         k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = plgpu.load(w_smem.at[:, pl.ds(0, 64)], layout=plgpu.Layout.WGMMA)
     elif w == 1:
         ub = plgpu.load(stage_u8.at[:, pl.ds(NOPE, 128)], layout=plgpu.Layout.WGMMA)  # RoPE bytes
@@ -721,7 +750,14 @@ def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
         y = lax.bitcast_convert_type(bits.astype(jnp.int32).astype(jnp.int16), jnp.bfloat16)
         if vrow is not None:
             y = jnp.where(vrow, y, jnp.zeros((T, 64), jnp.bfloat16))
-        k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = y
+        k_smem.at[1, :, pl.ds(HALF - 64, 64)][...] = _to_tile(y.astype(jnp.float32), k_smem.dtype)
+
+
+def _to_tile(y, dtype):
+    """f32 values -> the tile's element type, rounded once; f16 saturates at +-65504 (NaN stays NaN)."""
+    if dtype == jnp.float16:
+        y = jnp.minimum(jnp.maximum(y, -F16_MAX), F16_MAX)
+    return y.astype(dtype)
 
 
 def _copy_bf16(w, stage_bf, k_smem, vrow):

@@ -30,10 +30,11 @@ import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
 from pallas_kernels import _interpret
-from pallas_kernels._kernel import (_SMEM_LIMIT, FP8_RECORD, HB, T, KernelSpec, PoolSpec, build_kernel,
+from pallas_kernels._kernel import (_SMEM_LIMIT, F16_MAX, FP8_RECORD, HB, T, KernelSpec, PoolSpec, build_kernel,
                                     fp8_scale_offsets, smem_bytes)
 
 __all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
+           "to_f16", "prefill_rows_f16",
            "num_splits_override", "kernel_options"]
 
 _FORMATS = ("bf16", "fp8_ds_mla")
@@ -57,7 +58,9 @@ def num_splits_override(n: int | None):
 @contextlib.contextmanager
 def kernel_options(**options):
     """Override `KernelSpec` fields (`qk_exchange`, `p_split`, `fp8_direct` -- which also selects the fp8
-    scale operands --, `mem_regs`, the timing-only `ablate`) of kernels traced inside (benchmarks)."""
+    scale operands --, `f16` -- False keeps bf16 operands with P = P_hi + P_lo, exact over bf16's
+    range; True also converts a decode call's bf16 caches, whole, per call --, `mem_regs`, the
+    timing-only `ablate`) of kernels traced inside (benchmarks, tests)."""
     prev = getattr(_override, "options", {})
     _override.options = {**prev, **options}
     try:
@@ -154,8 +157,17 @@ def combine_splits(o, lse, mx, sink):
     return out, lse_f, jnp.max(mx, axis=1)
 
 
-def _run(q_rows, pools, sink, softmax_scale, num_splits):
-    """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse."""
+def to_f16(x):
+    """bf16 rows -> f16, rounded once, saturated to +-65504 (NaN stays NaN): the f16 kernels' row pools."""
+    return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+
+
+def _run(q_rows, pools, sink, softmax_scale, num_splits, rows_f16=False):
+    """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse.
+
+    `rows_f16`: bf16 row pools may be converted to f16 here (their whole operand: worth it for
+    prefill's kv, not for a decode cache), so the kernel runs with f16 operands
+    (`KernelSpec.f16_operands`); fp8-only kernels always may."""
     R, h, _ = q_rows.shape
     if R == 0:
         return (jnp.zeros((0, h, q_rows.shape[2]), jnp.bfloat16), jnp.zeros((0, h), jnp.float32),
@@ -170,14 +182,17 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits):
     if num_splits is None:
         num_splits = choose_num_splits(R, Hp // HB, max_blocks)
     num_splits = int(max(1, min(num_splits, max(max_blocks, 1))))
+    has_rows = any(ps.fmt == "bf16" for _, ps, _ in pools)
     spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
                       softmax_scale=float(softmax_scale), has_sink=sink is not None,
-                      interpret=_interpret.active())
+                      interpret=_interpret.active(), f16=rows_f16 or not has_rows)
     options = getattr(_override, "options", {})
     spec = dataclasses.replace(spec, **options)
     if smem_bytes(spec) > _SMEM_LIMIT and "qk_exchange" not in options:
         # staged bf16 + fp8 pools (fp8_direct=False): no room for the score exchange buffers
         spec = dataclasses.replace(spec, qk_exchange=False)
+    if spec.f16_operands:  # the kernel converts Q's values in SMEM (an XLA pass would cost a q round trip)
+        q_rows = jax.lax.bitcast_convert_type(q_rows, jnp.float16)
     args = [q_rows, counts]
     sink_p = None
     if sink is not None:
@@ -187,6 +202,8 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits):
         if ps.fmt == "fp8_ds_mla" and (ops[2].ndim == 2) != spec.scale_offsets:  # operands built for another kernel
             raise RuntimeError(f"fp8 scale operand of shape {ops[2].shape} does not match the kernel "
                                f"(scale_offsets={spec.scale_offsets})")
+        if ps.fmt == "bf16" and spec.f16_operands:
+            ops = (to_f16(ops[0]),) + tuple(ops[1:])
         args.extend(ops)
     with _interpret.kernel_context():
         out, lse, mx = build_kernel(spec)(*args)
@@ -225,4 +242,13 @@ def prefill(call, *, num_splits: int | None = None):
     kv = call.kv
     pool = pool_operands(kv.reshape(1, kv.shape[0], kv.shape[1]), "bf16", kv.shape[0], call.indices,
                          call.topk_length.astype(jnp.int32))
-    return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits)
+    s_q, h, _ = call.q.shape
+    return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits,
+                rows_f16=prefill_rows_f16(kv.shape[0], s_q, call.indices.shape[1], h))
+
+
+def prefill_rows_f16(s_kv: int, s_q: int, topk: int, h: int) -> bool:
+    """Whether prefill converts kv to f16 (one read + write of 2 KiB per kv row) for the f16 kernel,
+    which saves the second P V wgmma (1.76 ms of 6.87 ms at s_q 4096, h 128, topk 2048 on the H200:
+    ~1.6 ps per query-head-entry, against ~0.6 ns per converted row): when s_kv <= s_q * topk * h / 512."""
+    return s_kv * 512 <= s_q * topk * h

@@ -37,7 +37,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_TIMEOUT_S = 210
 
-# id -> (kind, case kwargs, forced num_splits or None, detect races)
+# id -> (kind, case kwargs, forced num_splits or None, detect races[, kernel_options])
+# Operands: fp8-only kernels run in f16 by default, decode bf16 caches in bf16, prefill in bf16 at these
+# sizes (kv larger than the work: `prefill_rows_f16`); the options force the other mode on some cases.
 CASES = {
     "decode_fp8_p61_sinkinf_b2": ("decode", dict(fmt="fp8_ds_mla", block_size=61, topk=128, h_q=16, b=2, s_q=1,
                                                   s_kv=300, sink="inf"), None, False),
@@ -50,17 +52,20 @@ CASES = {
     "decode_fp8_zero_lengths": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=64, h_q=8, b=2, s_q=1,
                                                lengths="zero"), None, False),
     "decode_fp8_h3_full_nosink": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=3, b=1, s_q=1,
-                                                 lengths="full", invalid_frac=0.0, sink="none"), None, False),
+                                                 lengths="full", invalid_frac=0.0, sink="none"), None, False,
+                                  dict(f16=False)),
     "decode_fp8_splits3_races": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=256, h_q=16, b=1, s_q=1,
                                                 s_kv=400, sink="inf"), 3, True),
     "decode_bf16_skv_lt_topk_splits2": ("decode", dict(fmt="bf16", block_size=16, topk=128, h_q=8, b=2, s_q=1,
-                                                       s_kv=40), 2, False),
-    "prefill_h128_sinkinf": ("prefill", dict(s_q=2, h_q=128, topk=128, s_kv=200, sink="inf"), None, False),
+                                                       s_kv=40), 2, False, dict(f16=True)),
+    "prefill_h128_sinkinf": ("prefill", dict(s_q=2, h_q=128, topk=128, s_kv=200, sink="inf"), None, False,
+                             dict(f16=True)),
     "prefill_skv_lt_topk_invalid_row": ("prefill", dict(s_q=3, h_q=16, topk=128, s_kv=60, all_invalid_row=True),
                                         None, False),
     "prefill_zero_lengths_scale_half": ("prefill", dict(s_q=2, h_q=8, topk=64, s_kv=100, lengths="zero",
                                                         softmax_scale=0.5), None, False),
-    "prefill_no_lengths_splits2_races": ("prefill", dict(s_q=1, h_q=16, topk=256, s_kv=300, lengths="none"), 2, True),
+    "prefill_no_lengths_splits2_races": ("prefill", dict(s_q=1, h_q=16, topk=256, s_kv=300, lengths="none"), 2, True,
+                                         dict(f16=True)),
 }
 
 
@@ -74,10 +79,11 @@ def _run_case(name: str) -> dict:
     from pallas_kernels import _interpret
     from tests.attention_cases import make_decode_case, make_prefill_case
 
-    kind, kw, splits, races = CASES[name]
+    kind, kw, splits, races, *opts = CASES[name]
     seed = sum(map(ord, name))
     t0 = time.time()
-    with _interpret.interpret_mode(detect_races=races), pallas_kernels.num_splits_override(splits):
+    with (_interpret.interpret_mode(detect_races=races), pallas_kernels.num_splits_override(splits),
+          pallas_kernels.kernel_options(**(opts[0] if opts else {}))):
         if kind == "decode":
             case = make_decode_case(seed, **kw)
             res = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))(*case.args())
@@ -155,6 +161,9 @@ LOWER_CASES = {
                                                sink="none", extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")), None),
     "prefill_bf16": ("prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None),
     "prefill_bf16_splits": ("prefill", dict(s_q=1, h_q=64, topk=256, s_kv=300, sink="none"), 3),
+    "prefill_f16": ("prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None, dict(f16=True)),
+    "decode_fp8_bf16_operands": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=64, b=2, s_q=2), None,
+                                 dict(f16=False)),
 }
 
 
@@ -167,8 +176,9 @@ def test_lowers_for_cuda(name):
     from pallas_kernels import _interpret
     from tests.attention_cases import make_decode_case, make_prefill_case
 
-    kind, kw, splits = LOWER_CASES[name]
-    with _interpret.gpu_mode(), pallas_kernels.num_splits_override(splits):
+    kind, kw, splits, *opts = LOWER_CASES[name]
+    with (_interpret.gpu_mode(), pallas_kernels.num_splits_override(splits),
+          pallas_kernels.kernel_options(**(opts[0] if opts else {}))):
         if kind == "decode":
             case = make_decode_case(1, **kw)
             f = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))
