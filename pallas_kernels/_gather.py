@@ -397,32 +397,35 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         hi = arith.trunci(i16, arith.shrui(word, _i32(16)))
         return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
 
-    for k in range(_T // 4):
+    def load(k):
+        """Token k's raw words (4 x i32: half 0's 8 bytes, then half 1's) and scale bytes (i32 x 2),
+        once its commit group has landed (and, f16, the group's RoPE chunks rewritten)."""
         if k % per == 0:
-            grp = k // per
-            _wait(_GROUPS - 1 - grp)
+            _wait(_GROUPS - 1 - k // per)
             _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
             if f16:
                 for k0 in range(k, k + per, 4):
                     _rope_to_f16(arith.addi(rope, _i32((k0 // 2) * 4096)))
-        r0 = _lds(2, _row_at(raw0, k))
-        r1 = _lds(2, _row_at(raw1, k))
+        words = _lds(2, _row_at(raw0, k)) + _lds(2, _row_at(raw1, k))
+        return words, [_lds_u8(arith.addi(s0_off, _i32(32 * k))), _lds_u8(arith.addi(s1_off, _i32(32 * k)))]
+
+    def convert(words, e):
         if f16:
-            e0 = _lds_u8(arith.addi(s0_off, _i32(32 * k)))
-            e1 = _lds_u8(arith.addi(s1_off, _i32(32 * k)))
-            _warp_sync()  # the token's raw bytes are read before any lane overwrites them
-            w = _e4m3_token_f16(r0 + r1, e0, e1, low32)
-            _st_v4(_row_at(out0, k), w[:4])
-            _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w[4:]], "r,r,r,r,r")
-            continue
-        # 2^(e - 127) as f32 bits: e << 23 (e = 0 -> 0)
-        sc0 = arith.shli(_lds_u8(arith.addi(s0_off, _i32(32 * k))), _i32(23))
-        sc1 = arith.shli(_lds_u8(arith.addi(s1_off, _i32(32 * k))), _i32(23))
-        _warp_sync()  # the token's raw bytes are read before any lane overwrites them
-        w0 = conv(r0[0], sc0) + conv(r0[1], sc0)
-        w1 = conv(r1[0], sc1) + conv(r1[1], sc1)
-        _st_v4(_row_at(out0, k), w0)
-        _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w1], "r,r,r,r,r")
+            return _e4m3_token_f16(words, e[0], e[1], low32)
+        sc0, sc1 = (arith.shli(x, _i32(23)) for x in e)  # 2^(e - 127) as f32 bits (e = 0 -> 0)
+        return conv(words[0], sc0) + conv(words[1], sc0) + conv(words[2], sc1) + conv(words[3], sc1)
+
+    # Software-pipelined by one token: token k + 1's reads (another row) are issued before token k's
+    # conversion, so their latency overlaps it (each warp has one token chain otherwise).
+    nxt = load(0)
+    for k in range(_T // 4):
+        cur = nxt
+        if k + 1 < _T // 4:
+            nxt = load(k + 1)
+        w = convert(*cur)
+        _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
+        _st_v4(_row_at(out0, k), w[:4])
+        _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w[4:]], "r,r,r,r,r")
 
 
 def wait_groups(pending: int):
