@@ -34,7 +34,7 @@ Two modes:
   rows copied as they are (masked rows are already 0) and releases the staging buffer. Then
   S = Q K^T (wgmma): with `qk_exchange` each warpgroup contracts its own 256 dims and the two f32
   partials are exchanged through SMEM (two 16 KiB buffers where SMEM allows: both post at once;
-  one buffer in direct mode: wg 0 posts, wg 1 takes it and posts its own); both sum S_0 + S_1 in
+  one buffer in direct fp8 kernels: wg 0 posts, wg 1 takes it and posts its own); both sum S_0 + S_1 in
   that order, so both hold bitwise-identical scores. Without the exchange (staged bf16 + fp8 pools,
   whose two staging views leave no room for the buffer) both contract all 512 dims. Both run the same
   online softmax (exp2 domain, masked columns -inf, running max starts at -inf with a guard so
@@ -193,8 +193,10 @@ class KernelSpec:
 
     @property
     def xbufs(self) -> int:
-        """Score-exchange buffers: two where SMEM allows (both warpgroups post at once), else one."""
-        return 1 if self.direct else 2
+        """Score-exchange buffers: two where SMEM allows (both warpgroups post at once: staged
+        kernels, direct bf16-row kernels), else one (direct fp8 kernels: Q + 2 K tiles + 2 buffers
+        + scale bytes + indices + sink exceed 227 KiB by the 1 KiB alignment of each buffer)."""
+        return 2 if not self.direct or smem_bytes(self, xbufs=2) <= _SMEM_LIMIT else 1
 
     @property
     def nbuf(self) -> int:
@@ -209,18 +211,19 @@ def fp8_scale_offsets(fp8_direct: bool, interpret: bool) -> bool:
     return fp8_direct and not interpret
 
 
-def smem_bytes(spec: KernelSpec) -> int:
+def smem_bytes(spec: KernelSpec, xbufs: int | None = None) -> int:
     """Dynamic SMEM the GPU kernel asks for, with 1 KiB alignment per buffer (what Mosaic GPU pads to).
 
     The same figure for interpreter specs (whose extra buffers -- P and RoPE staging, the combiner, the
     direct fp8 record staging -- are not counted), so that CPU tests make the same choices
     (`qk_exchange`) as the GPU. The scale buffer is counted as the f32 [8, 64] rows (2 KiB) in every
-    mode (the GPU direct kernel's byte rows take 0.5 KiB)."""
+    mode (the GPU direct kernel's byte rows take 0.5 KiB). `xbufs`: count that many exchange buffers
+    instead of `spec.xbufs`. Barriers: 1 KiB (they take < 100 B; the kernel asks for no reduction scratch)."""
     def al(n):
         return -(-n // 1024) * 1024
 
     nb = spec.nbuf
-    total = al(HB * D * 2) + nb * al(T * D * 2) + al(nb * T * 4) + 3072  # Q, K, indices, barriers, slack
+    total = al(HB * D * 2) + nb * al(T * D * 2) + al(nb * T * 4) + 1024  # Q, K, indices, barriers
     if not spec.direct:
         stage = max(T * FP8_PITCH if spec.has_fp8 else 0, T * BF16_PITCH * 2 if spec.has_bf16 else 0)
         total += al(stage)
@@ -229,7 +232,7 @@ def smem_bytes(spec: KernelSpec) -> int:
     if spec.has_sink:
         total += al(HB * 4)
     if spec.qk_exchange:
-        total += spec.xbufs * al(HB * T * 4)
+        total += (xbufs or spec.xbufs) * al(HB * T * 4)
     return total
 
 
@@ -462,9 +465,9 @@ def build_kernel(spec: KernelSpec):
                 """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's. Both sum
                 S_0 + S_1 in that order, so both hold bitwise-identical scores.
 
-                Two buffers (staged mode): both post their partial at once (x_post), read the other's
+                Two buffers (`spec.xbufs`): both post their partial at once (x_post), read the other's
                 and release the buffers (x_read), which the next block waits for before posting.
-                One buffer (direct mode, whose K ring leaves room for one): wg 0 posts (x_post), wg 1
+                One buffer (direct fp8 kernels, whose SMEM leaves room for one): wg 0 posts (x_post), wg 1
                 takes it and posts its own (x_read), wg 0 takes that."""
                 if spec.xbufs == 1:
                     if w == 0:
@@ -696,7 +699,10 @@ def build_kernel(spec: KernelSpec):
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        # no cross-warp reductions (the row max / sum stay within a warp): no reduction scratch, whose
+        # 2 KiB default would leave no room for the second exchange buffer
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             reduction_scratch_bytes=0),
     )
 
 
