@@ -8,7 +8,11 @@ Run on the GPU machine from the repository root:
 - a few grid cases again with a forced split count (partial outputs + combine);
 - large cases against the xla reference: decode b=128, s_q=2, h=128, topk 2048 (fp8_ds_mla),
   decode b=4 with topk 2048 + extra 1024 (splits), prefill s_q=512, h=128, topk 2048;
-- determinism: two runs are bitwise equal.
+- determinism: two runs are bitwise equal;
+- both operand modes (`kernel_options(f16=...)`: f16 Q / K / P, the default for fp8-only decode and
+  large prefill; bf16 with P = P_hi + P_lo, the default for decode bf16 caches and small prefill) on
+  grid cases run in the other mode, the f16 conversion's saturation, and the fp8 -> f16 conversion's
+  fast (exponents 113..134) and f32 paths (tokens of both ranges, and tiny ones only on the f32 path).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from tests.attention_cases import (  # noqa: E402
     assert_close,
     make_decode_case,
     make_prefill_case,
+    make_saturating_prefill_case,
+    make_two_scale_decode_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -46,14 +52,14 @@ def _readable(kw) -> str | None:
     return f"the pallas kernels do not read {bad} (impl='auto' falls back to xla)" if bad else None
 
 
-def _decode(case, impl="pallas", splits=None):
-    with pallas_kernels.num_splits_override(splits):
+def _decode(case, impl="pallas", splits=None, **options):
+    with pallas_kernels.num_splits_override(splits), pallas_kernels.kernel_options(**options):
         f = jax.jit(lambda *a: sparse_mla_decode(*a, impl=impl, **case.kwargs()))
         return jax.block_until_ready(f(*case.args()))
 
 
-def _prefill(case, impl="pallas", splits=None):
-    with pallas_kernels.num_splits_override(splits):
+def _prefill(case, impl="pallas", splits=None, **options):
+    with pallas_kernels.num_splits_override(splits), pallas_kernels.kernel_options(**options):
         f = jax.jit(lambda *a: sparse_mla_prefill(*a, impl=impl, **case.kwargs()))
         return jax.block_until_ready(f(*case.args()))
 
@@ -64,23 +70,53 @@ PREFILL_IDS = [n for n, _ in PREFILL_GRID]
 
 SPLIT_DECODE = ["fp8_extra_p2", "bf16_extra_fp8"]
 SPLIT_PREFILL = ["scale_half"]
+# decode grid cases run again in the other operand mode (fp8-only: bf16 operands; bf16 caches: f16)
+OTHER_MODE_DECODE = ["fp8_extra_p2", "bf16_extra_fp8", "fp8_p69_sinkinf", "bf16_p64", "fp8_all_invalid_row"]
 
 
-@pytest.mark.parametrize("name,splits", [(n, None) for n in DECODE_IDS] + [(n, 3) for n in SPLIT_DECODE])
-def test_decode_grid(name, splits):
+def _other_mode(kw) -> dict:
+    fmts = [kw["fmt"]] + ([kw["extra"]["fmt"]] if kw.get("extra") else [])
+    return dict(f16="bf16" in fmts)
+
+
+@pytest.mark.parametrize("name,splits,mode", [(n, None, "default") for n in DECODE_IDS]
+                         + [(n, 3, "default") for n in SPLIT_DECODE]
+                         + [(n, None, "other") for n in OTHER_MODE_DECODE])
+def test_decode_grid(name, splits, mode):
     i = DECODE_IDS.index(name)
     kw = DECODE_GRID[i][1]
     if (why := _readable(kw)) is not None:
         pytest.skip(why)
     case = make_decode_case(100 + i, **kw)
-    case.check(*_decode(case, splits=splits), name)
+    case.check(*_decode(case, splits=splits, **(_other_mode(kw) if mode == "other" else {})), f"{name} {mode}")
 
 
-@pytest.mark.parametrize("name,splits", [(n, None) for n in PREFILL_IDS] + [(n, 2) for n in SPLIT_PREFILL])
-def test_prefill_grid(name, splits):
+@pytest.mark.parametrize("name,splits,f16", [(n, None, None) for n in PREFILL_IDS] + [(n, 2, None) for n in SPLIT_PREFILL]
+                         + [(n, None, True) for n in PREFILL_IDS] + [(n, 2, True) for n in SPLIT_PREFILL])
+def test_prefill_grid(name, splits, f16):
+    # at these sizes prefill runs with bf16 operands by default (kv larger than the work); f16 forced too
     i = PREFILL_IDS.index(name)
     case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
-    case.check(_prefill(case, splits=splits), name)
+    case.check(_prefill(case, splits=splits, **({} if f16 is None else dict(f16=f16))), f"{name} f16={f16}")
+
+
+def test_f16_saturates():
+    # kv values beyond f16's range saturate to +-65504 (never inf, which would make scores NaN)
+    big, sat = make_saturating_prefill_case(33)
+    out, mx, lse = _prefill(big, f16=True)
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+    e_out, _, e_lse = sat.expected()
+    assert np.abs(e_out).max() > 6e4  # the saturated values reach the output
+    assert_close(out, e_out, "prefill_out", "out")
+    assert_close(lse, e_lse, "prefill_lse", "lse")
+
+
+@pytest.mark.parametrize("h_q,tiny", [(8, False), (128, False), (128, True)])
+def test_fp8_to_f16_both_paths(h_q, tiny):
+    # tokens with exponents in the fast path's range (113..134) and above it in the same blocks (warps
+    # vote for the f32 path); tiny: every token below it
+    case = make_two_scale_decode_case(34, h_q=h_q, tiny=tiny)
+    case.check(*_decode(case), f"two scale ranges h{h_q} tiny={tiny}")
 
 
 LARGE_DECODE = {
