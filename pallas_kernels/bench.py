@@ -180,7 +180,8 @@ def main(argv=None):
     ap.add_argument("--variants", default=None,
                     help="comma-separated variants for the two target cases (timing experiments: no_copy, "
                          "no_compute, staged, staged_no_dequant, bf16_ops, bf16_p, redundant_qk, splits=N, mem_regs=N, a+b); implies --quick's case list")
-    ap.add_argument("--cases", default="decode,prefill", help="with --variants: decode and/or prefill")
+    ap.add_argument("--cases", default="decode,prefill",
+                    help="with --variants: decode, prefill and/or v4 (decode h128 SWA 128 + extra 1024)")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"needs a CUDA GPU (default backend {jax.default_backend()!r})")
@@ -194,14 +195,16 @@ def main(argv=None):
     plan = [("decode b128 sq2 h128 topk2048 fp8", "decode", dec, ["default"] if a.quick else
              ["default", "bf16_ops", "bf16_p", "splits=2"]),
             ("prefill sq4096 h128 topk2048 bf16", "prefill", pre, ["default"] if a.quick else ["default", "bf16_ops"])]
+    v4 = ("decode b128 sq2 h128 swa128+c1024", "decode",
+          decode_case(128, 2, 128, 128, block_size=256, extra=(1024, 64, "fp8_ds_mla", 8192), tokens_per_req=256))
     if a.variants:
         vs = a.variants.split(",")
         plan = [(n, k, c, vs) for n, k, c, _ in plan if k in a.cases.split(",")]
+        if "v4" in a.cases.split(","):
+            plan.append((*v4, vs))
     elif not a.quick:
         plan += [
-            ("decode b128 sq2 h128 swa128+c1024", "decode",
-             decode_case(128, 2, 128, 128, block_size=256, extra=(1024, 64, "fp8_ds_mla", 8192), tokens_per_req=256),
-             ["default"]),
+            (*v4, ["default"]),
             ("decode b128 sq2 h64 topk2048 fp8", "decode", decode_case(128, 2, 64, 2048), ["default"]),
             ("decode b4 sq2 h128 topk2048 fp8", "decode", decode_case(4, 2, 128, 2048), ["default", "splits=1"]),
             ("prefill sq4096 h64 topk512 bf16", "prefill", prefill_case(4096, 64, 512, 65536), ["default"]),
