@@ -43,7 +43,7 @@ from jax.experimental.mosaic.gpu import utils as mgu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
-__all__ = ["issue_block", "wait_groups"]
+__all__ = ["issue_block", "wait_groups", "bf16_to_f16_in_place"]
 
 _T = 64
 
@@ -129,8 +129,8 @@ def _e4m3_token_f16(words, e0, e1, low):
     return [llvm.extractvalue(i32, st, [k]) for k in range(8)]
 
 
-def _rope_f16_asm() -> str:
-    """PTX of `_rope_to_f16`: input $0, the chunk's shared address."""
+def _chunk_f16_asm() -> str:
+    """PTX of `_chunk_to_f16`: input $0, the chunk's shared address."""
     lines = ["{", ".reg .b32 w<4>, o<4>;", ".reg .f32 l, h;", "ld.shared.v4.b32 {w0, w1, w2, w3}, [$0];"]
     for i in range(4):  # bf16 -> f32 is a 16-bit shift
         lines += [f"shl.b32 l, w{i}, 16;", f"and.b32 h, w{i}, 0xffff0000;",
@@ -139,10 +139,10 @@ def _rope_f16_asm() -> str:
     return "\n".join(lines)
 
 
-def _rope_to_f16(addr32):
+def _chunk_to_f16(addr32):
     """The 16-byte chunk at `addr32` (8 bf16, the RoPE values) rewritten as 8 f16: each value
     rounded once, saturated to +-65504."""
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr32], _rope_f16_asm(), "r", has_side_effects=True)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr32], _chunk_f16_asm(), "r", has_side_effects=True)
 
 
 def _st_v4(dst32, words):
@@ -327,7 +327,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     (x * 2^(e - 127), rounded once to bf16; e = 0 gives 0, as the staged kernel's XLA factors do:
     the reference's 2^-127 differs by < 448 * 2^-127, and the quantizer never writes a 0 byte).
     `f16`: the rows are written as f16 (`_e4m3_token_f16`), and once a group has landed each lane
-    also rewrites one RoPE chunk of the group's tokens (bf16 -> f16, `_rope_to_f16`)."""
+    also rewrites one RoPE chunk of the group's tokens (bf16 -> f16, `_chunk_to_f16`)."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i16 = ir.IntegerType.get_signless(16)
@@ -405,7 +405,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
             _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
             if f16:
                 for k0 in range(k, k + per, 4):
-                    _rope_to_f16(arith.addi(rope, _i32((k0 // 2) * 4096)))
+                    _chunk_to_f16(arith.addi(rope, _i32((k0 // 2) * 4096)))
         words = _lds(2, _row_at(raw0, k)) + _lds(2, _row_at(raw1, k))
         return words, [_lds_u8(arith.addi(s0_off, _i32(32 * k))), _lds_u8(arith.addi(s1_off, _i32(32 * k)))]
 
@@ -426,6 +426,24 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
         _st_v4(_row_at(out0, k), w[:4])
         _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w[4:]], "r,r,r,r,r")
+
+
+def bf16_to_f16_in_place(nbytes: int):
+    """Returns `f(ref)` for `plgpu` code run by one warpgroup: the `nbytes` bytes of the SMEM ref
+    (bf16 values, any tiling or swizzle: elementwise) rewritten as f16 (`_chunk_to_f16`), each thread
+    on 16-byte chunks tid, tid + 128, ... (independent chains, conflict-free)."""
+    if nbytes % (128 * 16):
+        raise ValueError(f"nbytes must be a multiple of 2048, got {nbytes}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)),
+                                                             plgpu.SwizzleTransform(128))),))
+    def convert(ctx, ref):
+        del ctx
+        base = arith.addi(_smem32(ref), arith.muli(arith.andi(mgu.thread_idx(), _i32(127)), _i32(16)))
+        for i in range(nbytes // (128 * 16)):
+            _chunk_to_f16(arith.addi(base, _i32(i * 128 * 16)))
+
+    return convert
 
 
 def wait_groups(pending: int):

@@ -453,11 +453,16 @@ def build_kernel(spec: KernelSpec):
             plgpu.barrier_wait(q_bar)
             if spec.f16_operands:
                 # Q arrived as the bits of bf16 values: rewrite this warpgroup's half (the only one
-                # it contracts) as f16, 64 dims at a time (registers)
-                for j in range(HALF // 64):
-                    qj = q_smem.at[w, :, pl.ds(64 * j, 64)]
-                    x = plgpu.load(qj, layout=plgpu.Layout.WGMMA)
-                    qj[...] = _to_tile(lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32), jnp.float16)
+                # it contracts) as f16. GPU: 16-byte chunks in place (inline PTX, elementwise: the
+                # swizzle does not matter); interpreter: 64 dims at a time through registers.
+                if spec.interpret:
+                    for j in range(HALF // 64):
+                        qj = q_smem.at[w, :, pl.ds(64 * j, 64)]
+                        x = plgpu.load(qj, layout=plgpu.Layout.WGMMA)
+                        qj[...] = _to_tile(lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32),
+                                           jnp.float16)
+                else:
+                    _gather.bf16_to_f16_in_place(HB * HALF * 2)(q_smem.at[w])
                 plgpu.commit_smem()
             if has_sink:
                 sink = plgpu.load(sink_smem, layout=_ROW)
