@@ -136,8 +136,9 @@ class KernelSpec:
     # Registers per thread of the memory warpgroup (0: 56 when it converts fp8 records, else 40);
     # the compute warpgroups get the rest of the CTA's 504 (`registers`).
     mem_regs: int = 0
-    # Q, the K tile and P in float16 (direct kernels with the score exchange; see `f16_operands`)
-    f16: bool = True
+    # Q, the K tile and P in float16 (direct kernels with the score exchange; see `f16_operands`):
+    # `_ops` asks for it in large prefills
+    f16: bool = False
 
     @property
     def head_groups(self) -> int:

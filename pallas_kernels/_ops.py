@@ -158,16 +158,15 @@ def combine_splits(o, lse, mx, sink):
 
 
 def to_f16(x):
-    """bf16 rows -> f16, rounded once, saturated to +-65504 (NaN stays NaN): the f16 kernels' row pools."""
+    """bf16 rows -> f16, rounded once, saturated to +-65504 (NaN stays NaN): f16 kernels' row pools."""
     return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
 
 
-def _run(q_rows, pools, sink, softmax_scale, num_splits, rows_f16=False):
+def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
     """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse.
 
-    `rows_f16`: bf16 row pools may be converted to f16 here (their whole operand: worth it for
-    prefill's kv, not for a decode cache), so the kernel runs with f16 operands
-    (`KernelSpec.f16_operands`); fp8-only kernels always may."""
+    `f16` (unless `kernel_options` says otherwise): run the kernel with f16 operands
+    (`KernelSpec.f16_operands`), bf16 row pools converted to f16 here (their whole operand)."""
     R, h, _ = q_rows.shape
     if R == 0:
         return (jnp.zeros((0, h, q_rows.shape[2]), jnp.bfloat16), jnp.zeros((0, h), jnp.float32),
@@ -182,10 +181,9 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, rows_f16=False):
     if num_splits is None:
         num_splits = choose_num_splits(R, Hp // HB, max_blocks)
     num_splits = int(max(1, min(num_splits, max(max_blocks, 1))))
-    has_rows = any(ps.fmt == "bf16" for _, ps, _ in pools)
     spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
                       softmax_scale=float(softmax_scale), has_sink=sink is not None,
-                      interpret=_interpret.active(), f16=rows_f16 or not has_rows)
+                      interpret=_interpret.active(), f16=f16)
     options = getattr(_override, "options", {})
     spec = dataclasses.replace(spec, **options)
     if smem_bytes(spec) > _SMEM_LIMIT and "qk_exchange" not in options:
@@ -233,6 +231,8 @@ def decode(call, *, num_splits: int | None = None):
     if call.has_extra:
         pools.append(pool_operands(call.extra_kv_cache, call.extra_kv_format, call.extra_block_size,
                                    *rows(call.extra_indices, call.extra_topk_length), scale_offsets=so))
+    # bf16 operands: f16 ones (kernel_options(f16=True)) measured no faster here, the memory
+    # warpgroup's gather bounds decode (benchmarks/pallas_notes.md, section 8)
     out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits)
     return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
 
@@ -244,7 +244,7 @@ def prefill(call, *, num_splits: int | None = None):
                          call.topk_length.astype(jnp.int32))
     s_q, h, _ = call.q.shape
     return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits,
-                rows_f16=prefill_rows_f16(kv.shape[0], s_q, call.indices.shape[1], h))
+                f16=prefill_rows_f16(kv.shape[0], s_q, call.indices.shape[1], h))
 
 
 def prefill_rows_f16(s_kv: int, s_q: int, topk: int, h: int) -> bool:

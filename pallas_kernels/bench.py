@@ -11,8 +11,9 @@ once, q read and out written once), and the two floors (FLOPs at 790 TFLOP/s bf1
 4.0 TB/s). Inputs are random (never zeros); the decode caches hold 8192 tokens per request
 (0.6 GB for b=128), larger than the 50 MB L2, and each request draws its own tokens.
 Variants: `default` (what `impl="pallas"` runs), `redundant_qk` (both compute warpgroups
-contract all 512 dims instead of exchanging partial scores), `bf16_ops` (bf16 Q, K tile and P = P_hi +
-P_lo, exact over bf16's range, instead of f16 operands), `bf16_p` (bf16 operands with a single bf16
+contract all 512 dims instead of exchanging partial scores), `f16` / `bf16_ops` (f16 Q, K tile and P, one P V
+wgmma / bf16 ones with P = P_hi + P_lo, exact over bf16's range; the defaults: f16 for large prefill,
+bf16 for decode), `bf16_p` (bf16 operands with a single bf16
 P, the FlashMLA choice: misses the output tolerance on the project's test data; timing only),
 `splits=N` (forced split count), `mem_regs=N` (the memory warpgroup's registers), `a+b` (both);
 timing experiments that leave one stage out (wrong results): `no_copy` (no token copies),
@@ -130,6 +131,8 @@ def run(name, kind, case, variant, iters):
             opts["qk_exchange"] = False
         elif part == "bf16_p":
             opts.update(f16=False, p_split=False)
+        elif part == "f16":
+            opts["f16"] = True
         elif part == "bf16_ops":
             opts["f16"] = False
         elif part in ("no_copy", "no_compute"):
@@ -179,7 +182,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=None,
                     help="comma-separated variants for the two target cases (timing experiments: no_copy, "
-                         "no_compute, staged, staged_no_dequant, bf16_ops, bf16_p, redundant_qk, splits=N, mem_regs=N, a+b); implies --quick's case list")
+                         "no_compute, staged, staged_no_dequant, f16, bf16_ops, bf16_p, redundant_qk, splits=N, mem_regs=N, a+b); implies --quick's case list")
     ap.add_argument("--cases", default="decode,prefill",
                     help="with --variants: decode, prefill and/or v4 (decode h128 SWA 128 + extra 1024)")
     a = ap.parse_args(argv)
@@ -193,7 +196,7 @@ def main(argv=None):
     print(f"check b128/s_q2/h128/topk2048 fp8 vs xla: max rel err {check_decode(dec):.2e}", flush=True)
     pre = prefill_case(4096, 128, 2048, 65536)
     plan = [("decode b128 sq2 h128 topk2048 fp8", "decode", dec, ["default"] if a.quick else
-             ["default", "bf16_ops", "bf16_p", "splits=2"]),
+             ["default", "f16", "bf16_p", "splits=2"]),
             ("prefill sq4096 h128 topk2048 bf16", "prefill", pre, ["default"] if a.quick else ["default", "bf16_ops"])]
     v4 = ("decode b128 sq2 h128 swa128+c1024", "decode",
           decode_case(128, 2, 128, 128, block_size=256, extra=(1024, 64, "fp8_ds_mla", 8192), tokens_per_req=256))

@@ -38,11 +38,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_TIMEOUT_S = 210
 
 # id -> (kind, case kwargs, forced num_splits or None, detect races[, kernel_options])
-# Operands: fp8-only kernels run in f16 by default, decode bf16 caches in bf16, prefill in bf16 at these
-# sizes (kv larger than the work: `prefill_rows_f16`); the options force the other mode on some cases.
+# Operands: decode runs with bf16 operands by default, prefill too at these sizes (kv larger than the
+# work: `prefill_rows_f16`); the options force f16 operands on some cases.
 CASES = {
     "decode_fp8_p61_sinkinf_b2": ("decode", dict(fmt="fp8_ds_mla", block_size=61, topk=128, h_q=16, b=2, s_q=1,
-                                                  s_kv=300, sink="inf"), None, False),
+                                                  s_kv=300, sink="inf"), None, False, dict(f16=True)),
     "decode_bf16_extra_fp8_sq2": ("decode", dict(fmt="bf16", block_size=32, topk=64, h_q=64, b=1, s_q=2,
                                                   extra=dict(topk=64, block_size=61, fmt="fp8_ds_mla")), None, False),
     "decode_fp8_p2_extra_invalid_rows": ("decode", dict(fmt="fp8_ds_mla", block_size=2, topk=64, h_q=8, b=3, s_q=1,
@@ -52,10 +52,9 @@ CASES = {
     "decode_fp8_zero_lengths": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=64, h_q=8, b=2, s_q=1,
                                                lengths="zero"), None, False),
     "decode_fp8_h3_full_nosink": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=3, b=1, s_q=1,
-                                                 lengths="full", invalid_frac=0.0, sink="none"), None, False,
-                                  dict(f16=False)),
+                                                 lengths="full", invalid_frac=0.0, sink="none"), None, False),
     "decode_fp8_splits3_races": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=256, h_q=16, b=1, s_q=1,
-                                                s_kv=400, sink="inf"), 3, True),
+                                                s_kv=400, sink="inf"), 3, True, dict(f16=True)),
     "decode_bf16_skv_lt_topk_splits2": ("decode", dict(fmt="bf16", block_size=16, topk=128, h_q=8, b=2, s_q=1,
                                                        s_kv=40), 2, False, dict(f16=True)),
     "prefill_h128_sinkinf": ("prefill", dict(s_q=2, h_q=128, topk=128, s_kv=200, sink="inf"), None, False,
@@ -162,8 +161,8 @@ LOWER_CASES = {
     "prefill_bf16": ("prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None),
     "prefill_bf16_splits": ("prefill", dict(s_q=1, h_q=64, topk=256, s_kv=300, sink="none"), 3),
     "prefill_f16": ("prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None, dict(f16=True)),
-    "decode_fp8_bf16_operands": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=64, b=2, s_q=2), None,
-                                 dict(f16=False)),
+    "decode_fp8_f16": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=64, b=2, s_q=2), None,
+                       dict(f16=True)),
 }
 
 
@@ -264,6 +263,26 @@ def test_kernel_spec_checks_and_smem():
         build_kernel(KernelSpec(pools=(fp8,), fp8_direct=False, ablate="no_compute", qk_exchange=False, **base))
     with pytest.raises(ValueError, match="kind"):
         _gather.issue_block("fp8_direct")
+
+
+def test_operand_mode_choice():
+    """f16 operands for prefill when converting kv costs less than the P_lo wgmma saved, never by
+    default for decode; f16 needs the direct kernel with the score exchange."""
+    from pallas_kernels import _ops
+    from pallas_kernels._kernel import KernelSpec, PoolSpec
+
+    assert _ops.prefill_rows_f16(65536, 4096, 2048, 128)  # the benchmark's prefill
+    assert not _ops.prefill_rows_f16(300, 4, 128, 128) and not _ops.prefill_rows_f16(2**20, 16, 2048, 128)
+    base = dict(rows=2, heads=64, num_splits=1, softmax_scale=0.1, has_sink=False, interpret=False)
+    fp8 = PoolSpec("fp8_ds_mla", 128)
+    assert KernelSpec(pools=(fp8,), f16=True, **base).f16_operands
+    assert not KernelSpec(pools=(fp8,), **base).f16_operands  # the default: bf16
+    assert not KernelSpec(pools=(fp8,), f16=True, fp8_direct=False, **base).f16_operands
+    assert not KernelSpec(pools=(fp8,), f16=True, qk_exchange=False, **base).f16_operands
+    x = _ops.to_f16(np.array([1e6, -1e6, 1.5, np.nan], np.float32))
+    assert x.dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(x)[:3], [65504, -65504, 1.5])
+    assert np.isnan(np.asarray(x)[3])
 
 
 def test_fp8_scale_factor_operand():

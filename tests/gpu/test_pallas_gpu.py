@@ -9,9 +9,8 @@ Run on the GPU machine from the repository root:
 - large cases against the xla reference: decode b=128, s_q=2, h=128, topk 2048 (fp8_ds_mla),
   decode b=4 with topk 2048 + extra 1024 (splits), prefill s_q=512, h=128, topk 2048;
 - determinism: two runs are bitwise equal;
-- both operand modes (`kernel_options(f16=...)`: f16 Q / K / P, the default for fp8-only decode and
-  large prefill; bf16 with P = P_hi + P_lo, the default for decode bf16 caches and small prefill) on
-  grid cases run in the other mode, the f16 conversion's saturation, and the fp8 -> f16 conversion's
+- both operand modes (`kernel_options(f16=...)`: f16 Q / K / P, the default for large prefill; bf16
+  with P = P_hi + P_lo, the default for decode and small prefill) on grid cases run in the other mode, the f16 conversion's saturation, and the fp8 -> f16 conversion's
   fast (exponents 113..134) and f32 paths (tokens of both ranges, and tiny ones only on the f32 path).
 """
 
@@ -70,13 +69,8 @@ PREFILL_IDS = [n for n, _ in PREFILL_GRID]
 
 SPLIT_DECODE = ["fp8_extra_p2", "bf16_extra_fp8"]
 SPLIT_PREFILL = ["scale_half"]
-# decode grid cases run again in the other operand mode (fp8-only: bf16 operands; bf16 caches: f16)
+# decode grid cases run again with f16 operands (bf16 caches converted whole, fp8 records by the kernel)
 OTHER_MODE_DECODE = ["fp8_extra_p2", "bf16_extra_fp8", "fp8_p69_sinkinf", "bf16_p64", "fp8_all_invalid_row"]
-
-
-def _other_mode(kw) -> dict:
-    fmts = [kw["fmt"]] + ([kw["extra"]["fmt"]] if kw.get("extra") else [])
-    return dict(f16="bf16" in fmts)
 
 
 @pytest.mark.parametrize("name,splits,mode", [(n, None, "default") for n in DECODE_IDS]
@@ -88,7 +82,7 @@ def test_decode_grid(name, splits, mode):
     if (why := _readable(kw)) is not None:
         pytest.skip(why)
     case = make_decode_case(100 + i, **kw)
-    case.check(*_decode(case, splits=splits, **(_other_mode(kw) if mode == "other" else {})), f"{name} {mode}")
+    case.check(*_decode(case, splits=splits, **(dict(f16=True) if mode == "other" else {})), f"{name} {mode}")
 
 
 @pytest.mark.parametrize("name,splits,f16", [(n, None, None) for n in PREFILL_IDS] + [(n, 2, None) for n in SPLIT_PREFILL]
@@ -116,7 +110,7 @@ def test_fp8_to_f16_both_paths(h_q, tiny):
     # tokens with exponents in the fast path's range (113..134) and above it in the same blocks (warps
     # vote for the f32 path); tiny: every token below it
     case = make_two_scale_decode_case(34, h_q=h_q, tiny=tiny)
-    case.check(*_decode(case), f"two scale ranges h{h_q} tiny={tiny}")
+    case.check(*_decode(case, f16=True), f"two scale ranges h{h_q} tiny={tiny}")
 
 
 LARGE_DECODE = {
