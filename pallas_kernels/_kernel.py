@@ -21,7 +21,8 @@ Two modes:
   Direct: the 1 KiB bf16 row into the K tile row; the fp8 record's 448 NoPE bytes into the token's
   own half-0 row and its 128 RoPE bytes (bf16 values) to their final place, its 8 UE8M0 scale bytes
   (offsets from XLA) to a byte row, in four commit groups, the next block's records prefetched into
-  L2; each group converted as it lands (e4m3 * 2^(e - 127) -> bf16, one token per warp at a time).
+  L2; each group converted as it lands (e4m3 * 2^(e - 127) -> bf16, or f16 with the RoPE values
+  rewritten too, one token per warp at a time, the next token's reads ahead of this one's conversion).
   Staged: the NoPE bytes to the staging row, the RoPE bytes to a bf16 RoPE row, the f32 scale
   factors [8 groups, 64 tokens] (prepared by XLA). Masked tokens are never read: their copies
   zero-fill. It waits for its own copies (`cp.async.wait_group`), fences them for the async proxy
@@ -40,8 +41,9 @@ Two modes:
   online softmax (exp2 domain, masked columns -inf, running max starts at -inf with a guard so
   (-inf) - (-inf) never occurs) and accumulate their own half of O += P V (wgmma, P from
   registers, V = the K tile: K = V = the latent) with P = P_hi + P_lo in two bf16 terms: one bf16
-  P (FlashMLA's choice) misses the output tolerance on rows mixing large and small values. In
-  direct mode the K buffer is released after P V.
+  P (FlashMLA's choice) misses the output tolerance on rows mixing large and small values; with
+  f16 operands (`KernelSpec.f16_operands`: Q rewritten in SMEM by each compute warpgroup, f16 K
+  tile) one f16 P. In direct mode the K buffer is released after P V.
 
 Synchronization: `q_bar` (Q + sink landed), `full[b]` / `free[b]` (buffer b published by the
 memory warpgroup / released by both compute warpgroups), `x_post` / `x_read` (score exchange),
