@@ -140,8 +140,8 @@ def _chunk_f16_asm() -> str:
 
 
 def _chunk_to_f16(addr32):
-    """The 16-byte chunk at `addr32` (8 bf16, the RoPE values) rewritten as 8 f16: each value
-    rounded once, saturated to +-65504."""
+    """The 16-byte chunk at `addr32` (8 bf16: fp8 records' RoPE values, Q) rewritten in place as 8
+    f16: each value rounded once, saturated to +-65504."""
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr32], _chunk_f16_asm(), "r", has_side_effects=True)
 
 
@@ -278,8 +278,12 @@ def _row_base(dst32, h, warp, c):
 
 
 def _row_at(base, k):
-    b = arith.xori(base, _i32(0x240)) if k % 2 else base
-    return arith.addi(b, _i32((k // 2) * 4096)) if k >= 2 else b
+    """`_row_base`'s address for row tok = warp + 4 k: k an int (constants folded) or an i32 value."""
+    if isinstance(k, int):
+        b = arith.xori(base, _i32(0x240)) if k % 2 else base
+        return arith.addi(b, _i32((k // 2) * 4096)) if k >= 2 else b
+    b = arith.xori(base, arith.muli(arith.andi(k, _i32(1)), _i32(0x240)))
+    return arith.addi(b, arith.muli(arith.shrui(k, _i32(1)), _i32(4096)))
 
 
 def _shfl(value, src_lane):
@@ -387,9 +391,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     if f16:
         # lane l's RoPE chunk of a group: chunk 24 + l % 8 of half 1 of token k0 + l // 8 (k0 even)
         kk = arith.shrui(lane, _i32(3))
-        rope = _row_base(dst32, 1, warp, arith.addi(arith.andi(lane, _i32(7)), _i32(24)))
-        rope = arith.xori(rope, arith.muli(arith.andi(kk, _i32(1)), _i32(0x240)))
-        rope = arith.addi(rope, arith.muli(arith.shrui(kk, _i32(1)), _i32(4096)))
+        rope = _row_at(_row_base(dst32, 1, warp, arith.addi(arith.andi(lane, _i32(7)), _i32(24))), kk)
 
     def conv(word, sc):
         f = llvm.bitcast(f32, sc)

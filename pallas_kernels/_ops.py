@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
 from pallas_kernels import _interpret
-from pallas_kernels._kernel import (_SMEM_LIMIT, F16_MAX, FP8_RECORD, HB, T, KernelSpec, PoolSpec, build_kernel,
+from pallas_kernels._kernel import (_SMEM_LIMIT, FP8_RECORD, HB, T, KernelSpec, PoolSpec, _to_tile, build_kernel,
                                     fp8_scale_offsets, smem_bytes)
 
 __all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
@@ -159,7 +159,7 @@ def combine_splits(o, lse, mx, sink):
 
 def to_f16(x):
     """bf16 rows -> f16, rounded once, saturated to +-65504 (NaN stays NaN): f16 kernels' row pools."""
-    return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+    return _to_tile(x.astype(jnp.float32), jnp.float16)  # the kernel's own rounding and saturation
 
 
 def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
