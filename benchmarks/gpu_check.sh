@@ -16,6 +16,8 @@
 #   model-tests   tests/test_model.py with impl=auto on the GPU
 #   bench         python -m benchmarks.sparse_mla --quick (every available impl)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
+#   bench-rows    the cuda prefill with kv rows forced to bf16 (producers convert) and to f16 (the wrapper
+#                 converts; seesaw.cuh), $ROWS_CASES (default prefill_h128_topk2048); not recorded
 #   sanitizer     compute-sanitizer memcheck over one cuda decode and one prefill
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
@@ -84,6 +86,9 @@ for s in "${stages[@]}"; do
     pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
     model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
     bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
+    bench-rows) for rows in bf16 f16; do echo "--- prefill kv rows: $rows"
+        DSV41_CUDA_PREFILL_ROWS=$rows run timeout 300 $PY -m benchmarks.sparse_mla --impls cuda --cases "${ROWS_CASES:-prefill_h128_topk2048}" \
+          --out "$OUT/rows_$rows" 2>&1 | grep -E "^(prefill|!!!)"; done ;;
     bench-full) run timeout 560 $PY -m benchmarks.sparse_mla --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
     sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m cuda_ffi.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
     sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;

@@ -20,6 +20,7 @@ Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
@@ -205,8 +206,29 @@ def decode(call, *, plan: str = "device") -> tuple[jax.Array, jax.Array]:
 
 
 # ------------------------------------------------------------------------------ prefill
-def prepare_prefill(call) -> tuple[tuple, dict, tuple, dict]:
-    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `PrefillCall`."""
+def prefill_kv_f16(s_kv: int, s_q: int, topk_pad: int, num_groups: int) -> bool:
+    """Whether the wrapper converts prefill's bf16 kv to f16 before the kernel (the f16-row kernel,
+    seesaw.cuh, copies rows with cp.async and splits the tensor work evenly between its consumers).
+    The conversion reads and writes every kv row once (~2 KB); the kernel reads s_q * topk rows per
+    64-head group. Converting pays when the rows are re-read often enough: s_kv * 8 <= s_q * topk *
+    groups (conversion ~0.6 ns per row on an H200 against ~0.1 ns saved per gathered row and group).
+    $DSV41_CUDA_PREFILL_ROWS=bf16|f16 overrides the rule (benchmark comparisons)."""
+    forced = os.environ.get("DSV41_CUDA_PREFILL_ROWS", "")
+    if forced:
+        if forced not in ("bf16", "f16"):
+            raise ValueError(f"DSV41_CUDA_PREFILL_ROWS must be 'bf16' or 'f16', got {forced!r}")
+        return forced == "f16"
+    return s_kv * 8 <= s_q * topk_pad * num_groups
+
+
+def kv_to_f16(kv: jax.Array) -> jax.Array:
+    """bf16 rows -> f16 as the kernels convert them: round to nearest, saturating to +-65504 (NaN stays NaN)."""
+    return jnp.clip(kv.astype(jnp.float32), -65504.0, 65504.0).astype(jnp.float16)
+
+
+def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, tuple, dict]:
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `PrefillCall`. `kv_f16`: pass
+    kv as f16 rows (None: when `prefill_kv_f16` says the conversion pays)."""
     q = call.q
     _require("q", q, dtype=jnp.bfloat16, ndim=3)
     s_q, h_q, d = q.shape
@@ -218,25 +240,28 @@ def prepare_prefill(call) -> tuple[tuple, dict, tuple, dict]:
     _require("indices", call.indices, dtype=jnp.int32, ndim=2)
     _require("topk_length", call.topk_length, dtype=jnp.int32, ndim=1)
     qp, sink, idx, tl, h_pad, topk = _pad_for_kernel(call, head_axis=1)
-    args = (qp, call.kv, idx, tl, sink)
+    if kv_f16 is None:
+        kv_f16 = prefill_kv_f16(call.kv.shape[0], s_q, idx.shape[1], h_pad // GROUP)
+    args = (qp, kv_to_f16(call.kv) if kv_f16 else call.kv, idx, tl, sink)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale))
     results = (
         jax.ShapeDtypeStruct((s_q, h_pad, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((s_q, h_pad), jnp.float32),
         jax.ShapeDtypeStruct((s_q, h_pad), jnp.float32),
     )
-    return args, attrs, results, dict(h_q=h_q, h_pad=h_pad)
+    return args, attrs, results, dict(h_q=h_q, h_pad=h_pad, kv_f16=bool(kv_f16))
 
 
-def prefill(call) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`impl="cuda"` sparse prefill of a checked `PrefillCall`: `(out, max_logits, lse)`."""
+def prefill(call, *, kv_f16: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`impl="cuda"` sparse prefill of a checked `PrefillCall`: `(out, max_logits, lse)`. `kv_f16`: see
+    `prepare_prefill`."""
     from cuda_ffi import ensure_registered
 
     s_q, h_q, d = call.q.shape
     if s_q == 0:
         return (jnp.zeros((0, h_q, d), jnp.bfloat16), jnp.zeros((0, h_q), jnp.float32),
                 jnp.zeros((0, h_q), jnp.float32))
-    args, attrs, results, info = prepare_prefill(call)
+    args, attrs, results, info = prepare_prefill(call, kv_f16=kv_f16)
     ensure_registered()
     out, max_logits, lse = jax.ffi.ffi_call(PREFILL_TARGET, results)(*args, **attrs)
     if info["h_pad"] != h_q:

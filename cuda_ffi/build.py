@@ -145,7 +145,7 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
     return lib
 
 
-EMU_SOURCES = ("emu_main.cc", "emu_runtime.h", "kernels.cuh", "prims.cuh", "params.h", "host_params.h")
+EMU_SOURCES = ("emu_main.cc", "emu_runtime.h", "kernels.cuh", "seesaw.cuh", "prims.cuh", "params.h", "host_params.h")
 
 
 def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = False,

@@ -9,6 +9,7 @@
 
 #include "host_params.h"
 #include "kernels.cuh"
+#include "seesaw.cuh"
 
 namespace {
 
@@ -78,6 +79,9 @@ int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out,
   if (!err.empty()) return report("dsv41_sparse_mla_prefill: " + err, errbuf, errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
+#if DSV41_WGMMA
+                if (p.kv.fmt == dsv41::kFmtF16) return dsv41::prefill_seesaw_cta(p, smem);
+#endif
                 if (p.pair) dsv41::prefill_cta<true>(p, smem);
                 else dsv41::prefill_cta<false>(p, smem);
               }, seed,

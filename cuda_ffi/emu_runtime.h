@@ -107,6 +107,14 @@ struct Fiber {
   };
   std::vector<WgGroup> wgmma_groups;
   bool cluster_synced = false;  // the last synchronisation was a cluster barrier
+  // cp.async copies whose completion no mbarrier tracks yet: their destinations hold 0xff bytes
+  // (f16 / bf16 NaN) until they land, so a read before the tracking mbarrier's phase shows up
+  struct CpAsync {
+    uint32_t saddr;
+    const void* src;
+    uint32_t src_bytes;
+  };
+  std::vector<CpAsync> cp_async;
 };
 
 struct Bar {
@@ -211,6 +219,16 @@ inline void bar_sync(int id, int n) {
   while (b.gen == g) yield();
 }
 
+// cp.async.cg (16 bytes, global -> this CTA's shared memory; src_bytes < 16 zero-fills the rest).
+inline void cp_async(uint32_t saddr, const void* src, uint32_t src_bytes) {
+  if (saddr & 15u) fail("cp.async: shared-memory address must be 16-byte aligned");
+  if (saddr + 16 > cur_cta->smem_bytes) fail("cp.async: destination outside the CTA's shared memory");
+  if (src_bytes > 16) fail("cp.async: src-size above the copy size");
+  if (src_bytes && (reinterpret_cast<uintptr_t>(src) & 15u)) fail("cp.async: global address must be 16-byte aligned");
+  std::memset(cur_cta->smem + saddr, 0xff, 16);
+  cur_fiber->cp_async.push_back({saddr, src, src_bytes});
+}
+
 // ---- clusters
 inline Cta* cluster_cta(uint32_t caddr) {
   Cluster* cl = cur_cta->cluster;
@@ -307,6 +325,17 @@ inline void mbar_wait(uint32_t off, uint32_t parity) {
   ++cur_cta->progress;
 }
 
+// cp.async.mbarrier.arrive.noinc: this thread's earlier copies land, then one arrival on this CTA's
+// mbarrier at `off` (counted against its expected count).
+inline void cp_async_arrive_noinc(uint32_t off) {
+  for (const auto& c : cur_fiber->cp_async) {
+    std::memset(cur_cta->smem + c.saddr, 0, 16);
+    if (c.src_bytes) std::memcpy(cur_cta->smem + c.saddr, c.src, c.src_bytes);
+  }
+  cur_fiber->cp_async.clear();
+  mbar_arrive(cluster_self() | off);
+}
+
 // st.async: the store and the complete_tx of its size on mbarrier `cbar` of the destination CTA,
 // now or (coin flip) once a thread of that CTA waits on `cbar` (flush_async).
 inline void st_async(uint32_t caddr, const void* v, size_t n, uint32_t cbar) {
@@ -352,6 +381,7 @@ inline void fiber_entry(int idx) {
   Cta* c = cur_cta;
   (*c->body)(c->smem);
   if (!c->fibers[idx].wgmma_groups.empty()) fail("thread exited with a wgmma not waited on");
+  if (!c->fibers[idx].cp_async.empty()) fail("thread exited with a cp.async no mbarrier tracks");
   c->fibers[idx].done = true;
   ++c->progress;
   // returning switches to uc_link (the scheduler)
@@ -363,6 +393,7 @@ inline void fiber_entry(int idx) {
   Cta* c = cur_cta;
   (*c->body)(c->smem);
   if (!f->wgmma_groups.empty()) fail("thread exited with a wgmma not waited on");
+  if (!f->cp_async.empty()) fail("thread exited with a cp.async no mbarrier tracks");
   f->done = true;
   ++c->progress;
   dsv41_emu_switch(&f->sp, c->sched_sp);

@@ -26,7 +26,8 @@ EMU_LIB = Path(__file__).resolve().parent / "lib" / "libdsv41_emu.so"
 # The consumer warps each emulator build runs: sm_90a's wgmma (default) or sm_100a's mma.sync.
 EMU_LIBS = {"wgmma": EMU_LIB, "mma_sync": EMU_LIB.with_name("libdsv41_emu_mma_sync.so")}
 
-_DTYPES = {np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.uint8): 2, np.dtype(np.int32): 3, np.dtype(np.float32): 4}
+_DTYPES = {np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.uint8): 2, np.dtype(np.int32): 3, np.dtype(np.float32): 4,
+           np.dtype(np.float16): 5}
 
 
 class TensorView(ctypes.Structure):
@@ -144,9 +145,10 @@ def decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0
     return res + (meta, splits) if return_plan else res
 
 
-def prefill_emulated(call, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
-    """(out, max_logits, lse) of the CUDA prefill path, computed by the emulator."""
-    args, attrs, results, info = _ops.prepare_prefill(call)
+def prefill_emulated(call, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma", kv_f16: bool | None = None):
+    """(out, max_logits, lse) of the CUDA prefill path, computed by the emulator (`kv_f16`: see
+    `_ops.prepare_prefill`; f16 rows run the seesaw CTA in the wgmma build)."""
+    args, attrs, results, info = _ops.prepare_prefill(call, kv_f16=kv_f16)
     out, ml, lse = run_prefill_ffi(args, attrs, results, seed=seed, workers=workers, consumer=consumer)
     h = info["h_q"]
     return jnp.asarray(out[:, :h]), jnp.asarray(ml[:, :h]), jnp.asarray(lse[:, :h])

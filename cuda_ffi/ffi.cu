@@ -25,6 +25,7 @@ dsv41::TensorView view(const ffi::AnyBuffer& b) {
   for (int i = 0; i < t.rank && i < 8; ++i) t.dims[i] = dims[i];
   switch (b.element_type()) {
     case ffi::DataType::BF16: t.dtype = (int32_t)dsv41::DType::kBF16; break;
+    case ffi::DataType::F16: t.dtype = (int32_t)dsv41::DType::kF16; break;
     case ffi::DataType::U8: t.dtype = (int32_t)dsv41::DType::kU8; break;
     case ffi::DataType::S32: t.dtype = (int32_t)dsv41::DType::kS32; break;
     case ffi::DataType::F32: t.dtype = (int32_t)dsv41::DType::kF32; break;

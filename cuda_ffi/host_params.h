@@ -13,7 +13,7 @@
 
 namespace dsv41 {
 
-enum class DType : int32_t { kOther = 0, kBF16 = 1, kU8 = 2, kS32 = 3, kF32 = 4 };
+enum class DType : int32_t { kOther = 0, kBF16 = 1, kU8 = 2, kS32 = 3, kF32 = 4, kF16 = 5 };
 
 inline const char* dtype_name(DType d) {
   switch (d) {
@@ -21,6 +21,7 @@ inline const char* dtype_name(DType d) {
     case DType::kU8: return "uint8";
     case DType::kS32: return "int32";
     case DType::kF32: return "float32";
+    case DType::kF16: return "float16";
     default: return "another dtype";
   }
 }
@@ -277,7 +278,7 @@ inline int32_t prefill_pair_groups(int64_t num_groups) {
 #endif
 }
 
-// Prefill: q [s_q, h_pad, 512] bf16, kv [s_kv, 512] bf16, indices [s_q, topk] int32, topk_length
+// Prefill: q [s_q, h_pad, 512] bf16, kv [s_kv, 512] bf16 or f16, indices [s_q, topk] int32, topk_length
 // [s_q] int32, attn_sink [h_pad] f32; results out [s_q, h_pad, 512] bf16, max_logits and lse
 // [s_q, h_pad] f32.
 inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorView* out /*3*/, float softmax_scale,
@@ -292,7 +293,8 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   if (s_q < 1) return cat("q: expected s_q >= 1, got shape ", shape_str(q));
   if (!(softmax_scale == softmax_scale) || softmax_scale == 1.0f / 0.0f || softmax_scale == -1.0f / 0.0f)
     return cat("softmax_scale: expected a finite float, got ", softmax_scale);
-  if (!(e = expect("kv", kv, DType::kBF16, 2)).empty()) return e;
+  const bool kv_f16 = (DType)kv.dtype == DType::kF16;  // rows converted by the wrapper (seesaw.cuh)
+  if (!(e = expect("kv", kv, kv_f16 ? DType::kF16 : DType::kBF16, 2)).empty()) return e + " (or float16)";
   if (!(e = expect_dims("kv", kv, {-1, kHeadDim})).empty()) return e;
   if (!(e = expect("indices", idx, DType::kS32, 2)).empty()) return e;
   if (!(e = expect_dims("indices", idx, {s_q, -1})).empty()) return e;
@@ -320,7 +322,7 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->kv.indices = static_cast<const int32_t*>(idx.data);
   p->kv.lengths = static_cast<const int32_t*>(tl.data);
   p->kv.block_size = 1;
-  p->kv.fmt = kFmtBf16;
+  p->kv.fmt = kv_f16 ? kFmtF16 : kFmtBf16;
   p->kv.topk = (int32_t)idx.dims[1];
   p->kv.pad_ = 0;
   p->scale_log2 = softmax_scale * 1.4426950408889634f;

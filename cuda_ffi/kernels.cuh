@@ -433,8 +433,9 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
 // f16 chunk k of row r sits at (k / 8) * 8192 + r * 128 + ((k % 8) ^ (r % 8)) * 16 (params.h):
 // fp8 chunk c = q + 4i becomes f16 chunks 2c, 2c + 1 = 8i + 2q (+1), the RoPE f16 chunks 56 + 2q (+1).
 template <class C, int NV>
-DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vmask, const Share& sh, int b,
+DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t vmask, const Share& sh, int b,
                        int lane, const BatchT<NV>& bt, int half = 0, bool last = true) {
+  const bool fp8 = fmt == kFmtFp8DsMla, raw = C::bf16 || fmt == kFmtF16;  // raw: rows stored as loaded
   char* kbuf = smem + kSmemK + buf * kTileBytes;
   constexpr bool remote = C::ncta == 2 && !kPairBulk;  // rows by st.async (the mask word always is)
   const uint32_t peer = crew.peer;
@@ -458,7 +459,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, bool fp8, uint32_t vm
     for (int i = 0; i < BatchT<NV>::kBf16Chunks; ++i) {
       const int k = bf16_chunk(i + 8 * half, lane);
       store_chunk(kbuf, remote, rbuf, rbar, (k >> 3) * 8192 + row * 128 + (((k & 7) ^ r7) << 4),
-                  C::bf16 ? bt.v[i] : bf16x8_to_f16x8(bt.v[i]));
+                  raw ? bt.v[i] : bf16x8_to_f16x8(bt.v[i]));
     }
   }
   if (!last) return;
@@ -485,19 +486,19 @@ template <int NB, class C, int NV>
 DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
                      const Share& sh, int lane, BatchT<NV>& first) {
   static_assert(NV == 16 || NB == 1, "half-row batches serve one batch per warp and tile (pairs)");
-  const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
-  if (NV < 16 && !fp8) {  // bf16 rows in halves (warp-uniform)
-    store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first, 0, false);
+  const int32_t fmt = DSV41_POOL(ps, t, fmt);
+  if (NV < 16 && fmt != kFmtFp8DsMla) {  // 2-byte rows in halves (warp-uniform)
+    store_batch(smem, crew, buf, fmt, a.vmask, sh, 0, lane, first, 0, false);
     load_batch(ps, t, a, 0, lane, first, 1);
-    store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first, 1, true);
+    store_batch(smem, crew, buf, fmt, a.vmask, sh, 0, lane, first, 1, true);
   } else {
-    store_batch(smem, crew, buf, fp8, a.vmask, sh, 0, lane, first);
+    store_batch(smem, crew, buf, fmt, a.vmask, sh, 0, lane, first);
   }
 #pragma unroll 1
   for (int b = 1; b < NB; ++b) {
     BatchT<NV> bt;
     load_batch(ps, t, a, b, lane, bt);
-    store_batch(smem, crew, buf, fp8, a.vmask, sh, b, lane, bt);
+    store_batch(smem, crew, buf, fmt, a.vmask, sh, b, lane, bt);
   }
   // bar.arrive FULL orders these local stores before the consumers' bar.sync returns (the PTX
   // ISA's producer/consumer example); wgmma reads them through the async proxy, hence the fence

@@ -27,17 +27,22 @@ constexpr int kPairProducerRegs = 104;  // 104 + 2 x 200 = 504
 constexpr int kPairConsumerRegs = 200;
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
 constexpr int kSplitConsumerRegs = 192;
+// The f16-row prefill (seesaw.cuh): cp.async producers hold only addresses (72), each consumer keeps
+// O (128), S / P in f32 (32) and P packed (16): 72 + 2 x 216 = 504.
+constexpr int kSeesawProducerRegs = 72;
+constexpr int kSeesawConsumerRegs = 216;
 constexpr bool regs_fit(int producer, int consumer) {
   return kProducerWarps * producer + kConsumerWarps * consumer <= (kProducerWarps + kConsumerWarps) * kLaunchRegs;
 }
 static_assert(regs_fit(kProducerRegs, kConsumerRegs) && regs_fit(kSplitProducerRegs, kSplitConsumerRegs) &&
-                  regs_fit(kPairProducerRegs, kPairConsumerRegs),
+                  regs_fit(kPairProducerRegs, kPairConsumerRegs) && regs_fit(kSeesawProducerRegs, kSeesawConsumerRegs),
               "setmaxnreg asks for more registers than the launch allocation holds");
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
 constexpr int kPlanThreads = 32;                                  // the split planner: one warp
 constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)
 
-enum KvFormat : int32_t { kFmtBf16 = 0, kFmtFp8DsMla = 1 };
+// kFmtF16: prefill's kv rows converted to f16 by the JAX wrapper (seesaw.cuh; no conversion in the kernel).
+enum KvFormat : int32_t { kFmtBf16 = 0, kFmtFp8DsMla = 1, kFmtF16 = 2 };
 
 constexpr int kFp8TokenData = 576;  // 448 e4m3 + 64 bf16
 constexpr int kFp8TokenScale = 8;   // 7 UE8M0 + 1 pad
@@ -89,7 +94,7 @@ struct PrefillParams {
   uint16_t* out;       // bf16 [s_q, h_pad, 512]
   float* max_logits;   // f32 [s_q, h_pad]
   float* lse;          // f32 [s_q, h_pad]
-  Pool kv;             // bf16 rows: capacity = s_kv, lengths per query token
+  Pool kv;             // bf16 (or f16: fmt kFmtF16) rows: capacity = s_kv, lengths per query token
   float scale_log2;
   int32_t s_q, h_pad, num_groups;
   int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather

@@ -386,6 +386,19 @@ DEVFN void st_async_u32(uint32_t caddr, uint32_t v, uint32_t cbar) {
                "r"(cbar)
                : "memory");
 }
+// cp.async.cg of 16 bytes from global memory into this CTA's shared memory at saddr (16-byte
+// aligned), with the L2 fetch widened to 256 B (a K row's neighbouring chunks come next); src_bytes 0
+// reads nothing and writes 16 zero bytes (masked tokens). Completion is tracked by
+// cp_async_arrive_noinc.
+DEVFN void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(saddr), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+// One arrival on this CTA's mbarrier at saddr, made once every cp.async this thread issued before
+// it has landed (.noinc: the arrival counts against the mbarrier's expected count).
+DEVFN void cp_async_arrive_noinc(uint32_t saddr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(saddr) : "memory");
+}
 DEVFN void mbar_wait(uint32_t saddr, uint32_t parity) {
   uint32_t ok = 0;
   do {
@@ -415,6 +428,8 @@ inline void bulk_copy_to_peer(uint32_t caddr, uint32_t saddr, uint32_t bytes, ui
   emu::st_async(caddr, emu::cur_cta->smem + saddr, bytes, cbar);
 }
 inline void mbar_wait(uint32_t saddr, uint32_t parity) { emu::mbar_wait(saddr, parity); }
+inline void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) { emu::cp_async(saddr, src, src_bytes); }
+inline void cp_async_arrive_noinc(uint32_t saddr) { emu::cp_async_arrive_noinc(saddr); }
 #endif
 
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i..8i+7 give the row addresses (16 B each)

@@ -382,13 +382,14 @@ def test_emulated_prefill_mma_sync_consumers(emu_mma_sync):
     assert_close(lse, e_lse, "prefill_lse", "lse")
 
 
-def test_f16_operands_saturate_and_stay_finite(emu):
+@pytest.mark.parametrize("kv_f16", [False, True], ids=["bf16_rows", "f16_rows"])
+def test_f16_operands_saturate_and_stay_finite(emu, kv_f16):
     # The kernels' tensor-core operands are f16: a latent value beyond 65504 saturates to 65504
-    # instead of becoming inf (which would turn scores into NaN).
+    # instead of becoming inf (which would turn scores into NaN); f16_rows: the wrapper's conversion.
     from cuda_ffi.emulate import prefill_emulated
 
     big, sat = make_saturating_prefill_case(33)
-    out, ml, lse = prefill_emulated(_prefill_call(big))
+    out, ml, lse = prefill_emulated(_prefill_call(big), kv_f16=kv_f16)
     assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
     e_out, _, e_lse = sat.expected()
     assert np.abs(e_out).max() > 6e4  # the saturated values do reach the output
@@ -396,15 +397,17 @@ def test_f16_operands_saturate_and_stay_finite(emu):
     assert_close(lse, e_lse, "prefill_lse", "lse")
 
 
-def test_emulated_prefill_lazy_rescaling(emu):
+@pytest.mark.parametrize("kv_f16", [False, True], ids=["bf16_rows", "f16_rows"])
+def test_emulated_prefill_lazy_rescaling(emu, kv_f16):
     # Tile maxima rise by 3, 12, 13 (natural log): the lazily moved softmax base stays, moves, then lags
-    # the true maximum; out, lse and max_logits must not notice.
+    # the true maximum; out, lse and max_logits must not notice. f16_rows: the seesaw's two warpgroups
+    # move the base in turn (warpgroup 1 from warpgroup 0's, which then rescales its P and O).
     from cuda_ffi.emulate import prefill_emulated
 
     case = make_growing_scores_prefill_case(35)
     _, e_ml, _ = case.expected()
     assert np.all(np.asarray(e_ml) > 12.5)  # the last tile holds the maximum
-    case.check(prefill_emulated(_prefill_call(case)), "emulated prefill, growing scores")
+    case.check(prefill_emulated(_prefill_call(case), kv_f16=kv_f16), "emulated prefill, growing scores")
 
 
 @pytest.mark.parametrize("h_q,tiny", [(8, False), (128, False), (128, True)])
@@ -441,25 +444,29 @@ def test_emulated_decode_is_deterministic(emu, seed, kw, num_sms, other_seed):
 PREFILL_IDS = [name for name, _ in PREFILL_GRID]
 
 
+@pytest.mark.parametrize("kv_f16", [False, True], ids=["bf16_rows", "f16_rows"])
 @pytest.mark.parametrize("name", PREFILL_IDS)
-def test_emulated_prefill_grid(emu, name):
+def test_emulated_prefill_grid(emu, name, kv_f16):
+    # bf16_rows: prefill_cta (the producers convert); f16_rows: kv converted by the wrapper, the seesaw
+    # CTA (cp.async producers, each warpgroup S of every other tile; seesaw.cuh)
     from cuda_ffi.emulate import prefill_emulated
 
     i = PREFILL_IDS.index(name)
     case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
-    out, ml, lse = prefill_emulated(_prefill_call(case))
+    out, ml, lse = prefill_emulated(_prefill_call(case), kv_f16=kv_f16)
     e_out, e_ml, e_lse = case.expected()
     assert_close(out, e_out, "prefill_out", "out")
     assert_close(ml, e_ml, "prefill_max_logits", "max_logits")
     assert_close(lse, e_lse, "prefill_lse", "lse")
 
 
-def test_emulated_prefill_two_groups_and_seeds(emu):
+@pytest.mark.parametrize("kv_f16", [False, True], ids=["bf16_rows", "f16_rows"])
+def test_emulated_prefill_two_groups_and_seeds(emu, kv_f16):
     from cuda_ffi.emulate import prefill_emulated
 
     case = make_prefill_case(24, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf")
-    a = prefill_emulated(_prefill_call(case), seed=3)
-    b = prefill_emulated(_prefill_call(case), seed=11, workers=1)
+    a = prefill_emulated(_prefill_call(case), seed=3, kv_f16=kv_f16)
+    b = prefill_emulated(_prefill_call(case), seed=11, workers=1, kv_f16=kv_f16)
     e_out, e_ml, e_lse = case.expected()
     assert_close(a[0], e_out, "prefill_out", "out")
     assert_close(a[1], e_ml, "prefill_max_logits", "max_logits")

@@ -84,14 +84,24 @@ def test_decode_grid(name):
 PREFILL_IDS = [n for n, _ in PREFILL_GRID]
 
 
+@pytest.fixture(params=[False, True], ids=["bf16_rows", "f16_rows"])
+def kv_rows(request, monkeypatch):
+    """Both prefill kernels: bf16 rows converted by the producers, or kv converted to f16 by the
+    wrapper (the seesaw CTA, seesaw.cuh), whatever `prefill_kv_f16` would pick for the shape."""
+    import cuda_ffi._ops as ops
+
+    monkeypatch.setattr(ops, "prefill_kv_f16", lambda *a: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", PREFILL_IDS)
-def test_prefill_grid(name):
+def test_prefill_grid(name, kv_rows):
     i = PREFILL_IDS.index(name)
     case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
     case.check(jax.jit(lambda *a: sparse_mla_prefill(*a, impl="cuda", **case.kwargs()))(*case.args()), name)
 
 
-def test_prefill_large_sq_two_groups():
+def test_prefill_large_sq_two_groups(kv_rows):
     case = make_prefill_case(31, s_q=700, h_q=128, s_kv=1521, topk=512, sink="inf")
     f = jax.jit(lambda *a: sparse_mla_prefill(*a, impl="cuda", **case.kwargs()))
     out, ml, lse = f(*case.args())
@@ -194,7 +204,7 @@ def test_public_op_has_no_xla_loops():
     assert " while(" not in hlo and "dsv41_sparse_mla_decode" in hlo
 
 
-def test_f16_saturation_on_device():
+def test_f16_saturation_on_device(kv_rows):
     big, sat = make_saturating_prefill_case(33)
     out, ml, lse = jax.jit(lambda: sparse_mla_prefill(*big.args(), impl="cuda", **big.kwargs()))()
     assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
@@ -210,7 +220,7 @@ def test_both_dequant_paths_on_device(h_q, tiny):
     case.check(*sparse_mla_decode(*case.args(), impl="cuda", **case.kwargs()), "cuda decode, two scale ranges")
 
 
-def test_lazy_rescaling_on_device():
+def test_lazy_rescaling_on_device(kv_rows):
     case = make_growing_scores_prefill_case(35)
     case.check(sparse_mla_prefill(*case.args(), impl="cuda", **case.kwargs()), "cuda prefill, growing scores")
 
