@@ -435,7 +435,9 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
 template <class C, int NV>
 DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t vmask, const Share& sh, int b,
                        int lane, const BatchT<NV>& bt, int half = 0, bool last = true) {
-  const bool fp8 = fmt == kFmtFp8DsMla, raw = C::bf16 || fmt == kFmtF16;  // raw: rows stored as loaded
+  // raw: rows stored as loaded (bf16 operands, or f16 rows: those reach prefill_cta only in builds
+  // without wgmma, seesaw.cuh takes them elsewhere; so the decode's producers carry no such test)
+  const bool fp8 = fmt == kFmtFp8DsMla, raw = C::bf16 || (!kWgmma && fmt == kFmtF16);
   char* kbuf = smem + kSmemK + buf * kTileBytes;
   constexpr bool remote = C::ncta == 2 && !kPairBulk;  // rows by st.async (the mask word always is)
   const uint32_t peer = crew.peer;

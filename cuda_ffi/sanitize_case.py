@@ -1,9 +1,11 @@
-"""Two cuda decodes (fp8 main + extra cache, split plan; h 64 and h 128, the 2-CTA pair) and one prefill, for
+"""Two cuda decodes (fp8 main + extra cache, split plan; h 64 and h 128, the 2-CTA pair) and two prefills (bf16
+rows: prefill_cta; f16 rows: the seesaw CTA, two head groups, varying lengths), for
 `compute-sanitizer --tool memcheck python -m cuda_ffi.sanitize_case` (benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 
 import sys
+from unittest import mock
 
 import jax
 import numpy as np
@@ -24,10 +26,15 @@ def main() -> int:
     for what, dec in decodes:
         out, lse = jax.block_until_ready(d.sparse_mla_decode(*dec.args(), **dec.kwargs(), impl="cuda"))
         dec.check(out, lse, what)
-    pre = make_prefill_case(6, s_q=9, h_q=64, topk=256, s_kv=300)
-    pre.check(jax.block_until_ready(d.sparse_mla_prefill(*pre.args(), **pre.kwargs(), impl="cuda")),
-              "sanitizer prefill")
-    print("sanitize_case: decodes and prefill ran and matched the oracle", np.asarray(out).shape)
+    from cuda_ffi import _ops
+
+    prefills = [("bf16", make_prefill_case(6, s_q=9, h_q=64, topk=256, s_kv=300)),
+                ("f16", make_prefill_case(8, s_q=5, h_q=128, topk=320, s_kv=300, sink="inf"))]
+    for rows, pre in prefills:
+        with mock.patch.object(_ops, "prefill_kv_f16", lambda *a, f16=rows == "f16": f16):
+            res = jax.block_until_ready(d.sparse_mla_prefill(*pre.args(), **pre.kwargs(), impl="cuda"))
+        pre.check(res, f"sanitizer prefill ({rows} rows)")
+    print("sanitize_case: decodes and prefills ran and matched the oracle", np.asarray(out).shape)
     return 0
 
 
