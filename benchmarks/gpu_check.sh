@@ -110,7 +110,7 @@ for s in "${stages[@]}"; do
         DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
           --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
       done ;;
-    ncu) ncu_cases cuda "dsv41_(decode|prefill)_kernel" ncu sass,cuda source "" --import-source yes ;;
+    ncu) ncu_cases cuda "dsv41_(decode|prefill|prefill_f16)_kernel" ncu sass,cuda source "" --import-source yes ;;
     ncu-export)
       for r in ${NCU_REPORTS:-}; do
         b="$(basename "$r" .ncu-rep)"
