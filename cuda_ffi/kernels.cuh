@@ -1094,27 +1094,37 @@ DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
 // Final epilogue: out bf16 = O / L / (1 + 2^(sink*log2e - lse2)); lse natural (+inf if empty);
 // optional max_logits (natural, -inf if empty). `orow0` points at head 0 of this CTA's group.
 // Row statistics are written by the threads holding dims 0..1 of a row.
-DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
-                       float* maxl0, const float* sink0) {
-  const int g = lane >> 2, t = lane & 3;
+struct FinalRow {
+  float factor, lse_nat, maxl;
+};
+// Row r's output factor, natural-log lse and max_logits from the published statistics.
+DEVFN FinalRow final_row(const char* smem, int r, const float* sink0) {
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
   const float* mtrue = reinterpret_cast<const float*>(smem + kSmemMtrue);
+  const float L = lsum[r] + lsum[64 + r];
+  const float M = mfin[r];
+  FinalRow f{0.f, finf(), -finf()};
+  if (L > 0.f) {
+    const float lse2 = M + flog2(L);
+    const float sink2 = ldg_nc_f32(sink0 + r) * kLog2e;  // +-inf stay +-inf
+    f.factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));  // sink=+inf -> 1/inf = 0
+    f.lse_nat = lse2 * kLn2;
+    f.maxl = mtrue[r] * kLn2;
+  }
+  return f;
+}
+
+DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
+                       float* maxl0, const float* sink0) {
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int rb = 0; rb < kORowBlocks; ++rb)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = o_row(w, rb, g) + 8 * hr;
-      const float L = lsum[r] + lsum[64 + r];
-      const float M = mfin[r];
-      float factor = 0.f, lse_nat = finf(), maxl = -finf();
-      if (L > 0.f) {
-        const float lse2 = M + flog2(L);
-        const float sink2 = ldg_nc_f32(sink0 + r) * kLog2e;  // +-inf stay +-inf
-        factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));   // sink=+inf -> 1/inf = 0
-        lse_nat = lse2 * kLn2;
-        maxl = mtrue[r] * kLn2;
-      }
+      const FinalRow fr = final_row(smem, r, sink0);
+      const float factor = fr.factor, lse_nat = fr.lse_nat, maxl = fr.maxl;
       uint16_t* orow = orow0 + (int64_t)r * kHeadDim;
 #pragma unroll
       for (int n = 0; n < kOCols; ++n) {
