@@ -12,7 +12,9 @@ Both kernels work on 64-head groups and 64-token tiles, so the wrapper
   the kernels used comes back as two extra FFI results, `tile_scheduler_metadata int32[parts, 8]`
   and `num_splits int32[b + 1]`;
 - passes the split accumulators `o_accum f32[b + parts, s_q, h_pad, 512]` and `lse_accum` as
-  extra FFI results (no allocation inside the handler; command-buffer compatible).
+  extra FFI results (no allocation inside the handler; command-buffer compatible);
+- prefill: converts kv to f16 (saturating) when `prefill_kv_f16` says the rows are re-read often enough; the
+  handler then runs the f16-row kernel (`seesaw.cuh` on sm_90a).
 Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h_q, 512], lse f32
 [b, s_q, h_q])`, prefill `(out bf16 [s_q, h_q, 512], max_logits f32 [s_q, h_q], lse f32 [s_q, h_q])`.
 """

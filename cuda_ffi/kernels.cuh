@@ -40,6 +40,7 @@
 // EMPTYs).
 //
 // Fragment layouts (mma.sync m16n8k16, ldmatrix) are written down in prims.cuh.
+// Prefill over f16 rows (the wrapper converted kv) runs another CTA on sm_90a: seesaw.cuh.
 // Decode walks the split plan of dsv41_jax.scheduler.plan_decode_splits (see decode_work);
 // prefill has one segment per CTA. Epilogues: final (bf16 out with the sink, natural-log lse)
 // or split (f32 O/L and log2-domain lse into the accumulators, merged by combine_cta).
