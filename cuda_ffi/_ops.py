@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.kv_cache import to_f16_saturating
 from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
 
 DECODE_TARGET = "dsv41_sparse_mla_decode"
@@ -223,11 +224,6 @@ def prefill_kv_f16(s_kv: int, s_q: int, topk_pad: int, num_groups: int) -> bool:
     return s_kv * 8 <= s_q * topk_pad * num_groups
 
 
-def kv_to_f16(kv: jax.Array) -> jax.Array:
-    """bf16 rows -> f16 as the kernels convert them: round to nearest, saturating to +-65504 (NaN stays NaN)."""
-    return jnp.clip(kv.astype(jnp.float32), -65504.0, 65504.0).astype(jnp.float16)
-
-
 def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, tuple, dict]:
     """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `PrefillCall`. `kv_f16`: pass
     kv as f16 rows (None: when `prefill_kv_f16` says the conversion pays)."""
@@ -244,7 +240,7 @@ def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, t
     qp, sink, idx, tl, h_pad, topk = _pad_for_kernel(call, head_axis=1)
     if kv_f16 is None:
         kv_f16 = prefill_kv_f16(call.kv.shape[0], s_q, idx.shape[1], h_pad // GROUP)
-    args = (qp, kv_to_f16(call.kv) if kv_f16 else call.kv, idx, tl, sink)
+    args = (qp, to_f16_saturating(call.kv) if kv_f16 else call.kv, idx, tl, sink)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale))
     results = (
         jax.ShapeDtypeStruct((s_q, h_pad, HEAD_DIM), jnp.bfloat16),

@@ -90,6 +90,8 @@ __all__ = [
     "insert",
     "gather",
     "gather_f32",
+    "F16_MAX",
+    "to_f16_saturating",
 ]
 
 FORMATS = ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
@@ -98,6 +100,15 @@ NOPE_DIM = 448
 ROPE_DIM = 64
 
 _E4M3_MAX = 448.0
+F16_MAX = 65504.0
+
+
+def to_f16_saturating(x: Any) -> jax.Array:
+    """Values -> f16 as the kernels that compute in f16 take their operands: rounded once (from f32, so bf16
+    inputs are exact until then), saturated to +-65504 (infinities included), NaN kept. The rule of the pallas
+    f16 tiles and of the f16 kv rows both prefills convert (pallas_kernels, cuda_ffi)."""
+    y = jnp.asarray(x).astype(jnp.float32)
+    return jnp.minimum(jnp.maximum(y, -F16_MAX), F16_MAX).astype(jnp.float16)
 _AMAX_FLOOR = 1e-4
 _FP8_NOPE_TILE = 64  # fp8_ds_mla
 _MXFP8_TILE = 32

@@ -82,6 +82,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from dsv41_jax.kv_cache import to_f16_saturating
 from pallas_kernels import _gather
 
 
@@ -96,7 +97,6 @@ FP8_RECORD = 576
 FP8_PITCH = 656  # staging row pitch: 164 words, rows 4 banks apart -> conflict-free wgmma-layout loads
 BF16_PITCH = 520  # bf16 elements; 1040 B = 260 words, likewise
 ROPE_PITCH = 72  # bf16 elements; 144 B = 36 words: the RoPE staging rows (GPU path), likewise
-F16_MAX = 65504.0
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 REG_BUDGET = 504  # registers per (memory, compute, compute) thread triple: 65536 // 384 rounded to 8, x 3
@@ -770,7 +770,7 @@ def _dequant_fp8(w, stage_u8, scale_smem, w_smem, k_smem, vrow, u_smem):
 def _to_tile(y, dtype):
     """f32 values -> the tile's element type, rounded once; f16 saturates at +-65504 (NaN stays NaN)."""
     if dtype == jnp.float16:
-        y = jnp.minimum(jnp.maximum(y, -F16_MAX), F16_MAX)
+        return to_f16_saturating(y)
     return y.astype(dtype)
 
 

@@ -557,3 +557,13 @@ def test_bad_inputs_raise(case):
     _, fn, exc, match = case
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_to_f16_saturating():
+    # bf16 rows as the f16 kernels take them: rounded once to f16, +-inf and values past 65504 saturate, NaN stays
+    x = jnp.asarray(np.array([1e6, -np.inf, 65519.0, 1.5, 3e-8, np.nan], np.float32)).astype(jnp.bfloat16)
+    y = K.to_f16_saturating(x)
+    assert y.dtype == jnp.float16
+    expect = np.asarray(x, np.float32).clip(-65504, 65504).astype(np.float16)
+    np.testing.assert_array_equal(np.asarray(y)[:5], expect[:5])
+    assert np.asarray(y)[0] == 65504 and np.asarray(y)[1] == -65504 and np.isnan(np.asarray(y)[5])
