@@ -44,9 +44,9 @@ enum : int { kBarSwM0 = 2, kBarSwM1 = 3, kBarSwP0 = 4, kBarSwP1 = 5 };
 // mbarriers (8 bytes each) in the region kernels.cuh keeps for a pair's partial scores.
 DEVFN int sw_ready(int buf, int half) { return kSmemXS + 8 * (2 * buf + half); }
 DEVFN int sw_free(int buf, int half) { return kSmemXS + 32 + 8 * (2 * buf + half); }
-constexpr int kSwStats = kSmemXS + 64;          // f32 [2 warpgroups][64]: max_logits before the epilogue
+constexpr int kSwStats = kSmemXS + 64;          // f32 [64]: warpgroup 1's running maxima for the epilogue
 constexpr int kSwReadyCount = 128 + kProducerWarps;  // cp.async arrivals + the mask words' plain arrivals
-static_assert(kSwStats + 2 * 64 * 4 <= kSmemBytes, "seesaw scratch beyond the CTA's shared memory");
+static_assert(kSwStats + 64 * 4 <= kSmemBytes, "seesaw scratch beyond the CTA's shared memory");
 
 // ------------------------------------------------------------------------------ producers
 // Indices of this thread's four rows of tiles 2i and 2i + 1 (-1 past the length).
@@ -210,6 +210,15 @@ DEVFN float sw_rebase(float from, float to) {
   return from == to ? 1.f : (from == -finf() ? 0.f : fexp2(from - to));
 }
 
+// This warpgroup's row bases to the other warpgroup (`sm`: one slot per row), then its arrival on `bar`.
+DEVFN void sw_publish_base(float* sm, const Acc& acc, int r0, int t, int bar) {
+  if (t == 0) {
+    sm[r0] = acc.m[0];
+    sm[r0 + 8] = acc.m[1];
+  }
+  bar_arrive(bar, kConsumerThreads);
+}
+
 // Warpgroup 0: tiles 2i (buffer 0), O[:, 0:256].
 DEVFN void seesaw_wg0(char* smem, int npairs, Acc& acc, float scale_log2, int w, int lane) {
   const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
@@ -226,11 +235,7 @@ DEVFN void seesaw_wg0(char* smem, int npairs, Acc& acc, float scale_log2, int w,
       exp_row(s, hr, base, alpha[hr], acc);
     }
     rescale_o(acc, alpha);
-    if (t == 0) {
-      sm[r0] = acc.m[0];
-      sm[r0 + 8] = acc.m[1];
-    }
-    bar_arrive(kBarSwM0, kConsumerThreads);
+    sw_publish_base(sm, acc, r0, t, kBarSwM0);
     uint32_t pk[8][2];
     pack_p<8>(s, pk);
     sw_pv_regs(acc, pk, sw_vdesc(smem, 0, 0));
@@ -297,11 +302,7 @@ DEVFN void seesaw_wg1(char* smem, int npairs, Acc& acc, float scale_log2, int w,
       exp_row(s, hr, m1 == -finf() ? 0.f : m1, alpha[hr], acc);
     }
     rescale_o(acc, alpha);
-    if (t == 0) {
-      sm[r0] = acc.m[0];
-      sm[r0 + 8] = acc.m[1];
-    }
-    bar_arrive(kBarSwM1, kConsumerThreads);
+    sw_publish_base(sm, acc, r0, t, kBarSwM1);
     uint32_t pk[8][2];
     pack_p<8>(s, pk);
     sw_pv_regs(acc, pk, sw_vdesc(smem, 1, 1));
@@ -318,33 +319,21 @@ DEVFN void seesaw_wg1(char* smem, int npairs, Acc& acc, float scale_log2, int w,
   }
 }
 
-// Row statistics of both warpgroups (each has its own partial sums and maxima; both end on the same
-// base) for write_final.
+// Row statistics for write_final: publish_row_stats' (both warpgroups' partial sums; warpgroup 0's base,
+// which both share at the end; warpgroup 0's running maxima), then the maximum with warpgroup 1's running
+// maxima (each warpgroup saw only its own tiles).
 DEVFN void seesaw_publish_stats(char* smem, Acc& acc, int w, int lane) {
-  const int g = lane >> 2, t = lane & 3, th = w >> 2;
-  float* lsum = reinterpret_cast<float*>(smem + kSmemLsum);
-  float* mfin = reinterpret_cast<float*>(smem + kSmemMfin);
-  float* mtrue = reinterpret_cast<float*>(smem + kSmemMtrue);
-  float* mt2 = reinterpret_cast<float*>(smem + kSwStats);
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    float l = acc.l[hr];
-    l += shfl_xor_f32(l, 1);
-    l += shfl_xor_f32(l, 2);
-    const int r = 16 * (w & 3) + g + 8 * hr;
-    if (t == 0) {
-      lsum[th * 64 + r] = l;
-      mt2[th * 64 + r] = acc.mtrue[hr];
-      if (th == 0) mfin[r] = acc.m[hr];
-    }
+  const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
+  float* mt1 = reinterpret_cast<float*>(smem + kSwStats);
+  if (w >= 4 && t == 0) {
+    mt1[r0] = acc.mtrue[0];
+    mt1[r0 + 8] = acc.mtrue[1];
   }
-  bar_sync(kBarConsumers, kConsumerThreads);
-  if (th == 0 && t == 0) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = 16 * (w & 3) + g + 8 * hr;
-      mtrue[r] = fmaxf(mt2[r], mt2[64 + r]);
-    }
+  publish_row_stats(smem, acc, w, lane);  // its barrier also orders the stores above
+  if (w < 4 && t == 0) {  // the thread that stored these rows of mtrue in publish_row_stats
+    float* mtrue = reinterpret_cast<float*>(smem + kSmemMtrue);
+    mtrue[r0] = fmaxf(mtrue[r0], mt1[r0]);
+    mtrue[r0 + 8] = fmaxf(mtrue[r0 + 8], mt1[r0 + 8]);
   }
   bar_sync(kBarConsumers, kConsumerThreads);
 }
