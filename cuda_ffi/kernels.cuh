@@ -1092,13 +1092,11 @@ DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
   bar_sync(kBarConsumers, kConsumerThreads);  // B3
 }
 
-// Final epilogue: out bf16 = O / L / (1 + 2^(sink*log2e - lse2)); lse natural (+inf if empty);
-// optional max_logits (natural, -inf if empty). `orow0` points at head 0 of this CTA's group.
-// Row statistics are written by the threads holding dims 0..1 of a row.
+// Row r's output factor 1 / L / (1 + 2^(sink*log2e - lse2)), natural-log lse (+inf if empty) and
+// max_logits (natural, -inf if empty) from the published statistics.
 struct FinalRow {
   float factor, lse_nat, maxl;
 };
-// Row r's output factor, natural-log lse and max_logits from the published statistics.
 DEVFN FinalRow final_row(const char* smem, int r, const float* sink0) {
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
@@ -1116,6 +1114,8 @@ DEVFN FinalRow final_row(const char* smem, int r, const float* sink0) {
   return f;
 }
 
+// Final epilogue: out bf16 = O * factor, lse, optional max_logits (final_row). `orow0` points at head 0
+// of this CTA's group. Row statistics are written by the threads holding dims 0..1 of a row.
 DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
                        float* maxl0, const float* sink0) {
   const int g = lane >> 2, t = lane & 3;
@@ -1125,16 +1125,16 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
     for (int hr = 0; hr < 2; ++hr) {
       const int r = o_row(w, rb, g) + 8 * hr;
       const FinalRow fr = final_row(smem, r, sink0);
-      const float factor = fr.factor, lse_nat = fr.lse_nat, maxl = fr.maxl;
       uint16_t* orow = orow0 + (int64_t)r * kHeadDim;
 #pragma unroll
       for (int n = 0; n < kOCols; ++n) {
         const float* o = acc.o[kOCols * rb + n];
-        *reinterpret_cast<uint32_t*>(orow + o_dim(w, n, t)) = pack_bf16x2(o[2 * hr] * factor, o[2 * hr + 1] * factor);
+        *reinterpret_cast<uint32_t*>(orow + o_dim(w, n, t)) =
+            pack_bf16x2(o[2 * hr] * fr.factor, o[2 * hr + 1] * fr.factor);
       }
       if (o_dim(w, 0, t) == 0) {
-        lse0[r] = lse_nat;
-        if (maxl0) maxl0[r] = maxl;
+        lse0[r] = fr.lse_nat;
+        if (maxl0) maxl0[r] = fr.maxl;
       }
     }
 }
