@@ -744,6 +744,10 @@ DEVFN void store_p(char* smem, int buf, const uint32_t (&pk)[J][2], int chunk0, 
     for (int hr = 0; hr < 2; ++hr) *reinterpret_cast<uint32_t*>(ps + swz128(r0 + 8 * hr, chunk0 + j) + 4 * t) = pk[j][hr];
 }
 
+// Byte offset of k-step ks (dims 16ks..16ks+15) in a [64][512] swizzled tile (Q, K): column block ks / 4,
+// 32 bytes per step inside it; descriptors move by it (wgmma_desc_add).
+DEVFN uint32_t kstep_off(int ks) { return (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u; }
+
 // S = Q K^T over kSteps x 16 dims (all 512 by default) as the fragment of wgmma m64nNk16 (N = 32
 // or 64 tokens), Q and K from shared memory through the descriptors of their first 16 dims; returns
 // with the products in s.
@@ -758,7 +762,7 @@ DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
 #ifndef DSV41_EXP_NO_MMA  // experiment: no tensor-core work, everything else unchanged
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
-    const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
+    const uint32_t koff = kstep_off(ks);
     if constexpr (N == 32)
       wgmma_m64n32k16<kBf16>(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
     else
@@ -771,9 +775,10 @@ DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
 }
 
 // O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
-// memory through descriptors pd / vd); O already rescaled; returns with O updated.
+// memory through descriptors pd / vd); O already rescaled. pv_issue commits the group and returns
+// (the caller waits: seesaw.cuh); pv_wgmma returns with O updated.
 template <bool kBf16 = false>
-DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
+DEVFN void pv_issue(Acc& acc, uint64_t pd, uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -782,13 +787,17 @@ DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
     wgmma_m64n256k16_tb<kBf16>(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
 #endif
   wgmma_commit();
+}
+template <bool kBf16 = false>
+DEVFN void pv_wgmma(Acc& acc, uint64_t pd, uint64_t vd) {
+  pv_issue<kBf16>(acc, pd, vd);
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
 }
 // The same with P from registers (pk: pack_p's words of all 64 tokens of the thread's rows; split
 // consumers' warpgroup 0): no shared-memory round trip, no barrier before it.
 template <bool kBf16 = false>
-DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
+DEVFN void pv_issue_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
   reg_fence<128>(&acc.o[0][0]);
   wgmma_fence();
 #ifndef DSV41_EXP_NO_MMA
@@ -799,6 +808,10 @@ DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
   }
 #endif
   wgmma_commit();
+}
+template <bool kBf16 = false>
+DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
+  pv_issue_regp<kBf16>(acc, pk, vd);
   wgmma_wait<0>();
   reg_fence<128>(&acc.o[0][0]);
 }

@@ -72,13 +72,9 @@ DEVFN void seesaw_produce(char* smem, const PrefillParams& p, int64_t s, int len
   const uint8_t* kv = p.kv.base;
   const int64_t cap = p.kv.capacity;
   const uint32_t kb = smem_addr(smem + kSmemK);
-  // destination of chunk ig of row r in a column block: r * 128 + ((ig ^ (r & 7)) << 4)
-  uint32_t dst[4];
+  uint32_t dst[4];  // chunk ig of row rbase + 4 lr in a column block
 #pragma unroll
-  for (int lr = 0; lr < 4; ++lr) {
-    const int r = rbase + 4 * lr;
-    dst[lr] = (uint32_t)(r * 128 + ((ig ^ (r & 7)) << 4));
-  }
+  for (int lr = 0; lr < 4; ++lr) dst[lr] = (uint32_t)swz128(rbase + 4 * lr, ig);
   SwIdx nxt = sw_load_idx(row, len, 0, rbase);
 #pragma unroll 1
   for (int i = 0; i < npairs; ++i) {
@@ -132,8 +128,7 @@ DEVFN void sw_qk_half(float (&s)[8][4], uint64_t qd, uint64_t kd) {
   wgmma_fence();
 #pragma unroll
   for (int ks = 16 * H; ks < 16 * H + 16; ++ks) {
-    const uint32_t koff = (uint32_t)(ks >> 2) * 8192u + (uint32_t)(ks & 3) * 32u;
-    wgmma_m64n64k16<false>(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
+    wgmma_m64n64k16<false>(&s[0][0], wgmma_desc_add(qd, kstep_off(ks)), wgmma_desc_add(kd, kstep_off(ks)));
   }
 }
 DEVFN void sw_zero(float (&s)[8][4]) {
@@ -177,26 +172,6 @@ DEVFN void sw_mask(const char* smem, int buf, float (&s)[8][4], float scale_log2
   }
 }
 
-// PV issue (committed, not waited): O += P V over the tile's 64 tokens for this warpgroup's half of the
-// dims; P from registers (pk) or from shared memory (pd).
-DEVFN void sw_pv_regs(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
-  reg_fence<128>(&acc.o[0][0]);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kTileTokens / 16; ++kk) {
-    const uint32_t a[4] = {pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]};
-    wgmma_m64n256k16_rs_tb<false>(&acc.o[0][0], a, wgmma_desc_add(vd, 16u * 128u * kk));
-  }
-  wgmma_commit();
-}
-DEVFN void sw_pv_smem(Acc& acc, uint64_t pd, uint64_t vd) {
-  reg_fence<128>(&acc.o[0][0]);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kTileTokens / 16; ++kk)
-    wgmma_m64n256k16_tb<false>(&acc.o[0][0], wgmma_desc_add(pd, 32u * kk), wgmma_desc_add(vd, 16u * 128u * kk));
-  wgmma_commit();
-}
 DEVFN uint64_t sw_vdesc(char* smem, int buf, int half) {
   return wgmma_desc(smem_addr(smem + kSmemK + buf * kTileBytes) + (uint32_t)half * 4u * 8192u, 8192, 1024);
 }
@@ -238,7 +213,7 @@ DEVFN void seesaw_wg0(char* smem, int npairs, Acc& acc, float scale_log2, int w,
     sw_publish_base(sm, acc, r0, t, kBarSwM0);
     uint32_t pk[8][2];
     pack_p<8>(s, pk);
-    sw_pv_regs(acc, pk, sw_vdesc(smem, 0, 0));
+    pv_issue_regp(acc, pk, sw_vdesc(smem, 0, 0));
     wgmma_wait<0>();
     reg_fence<128>(&acc.o[0][0]);
     mbar_arrive(smem_addr(smem + sw_free(0, 0)));
@@ -268,7 +243,7 @@ DEVFN void seesaw_wg0(char* smem, int npairs, Acc& acc, float scale_log2, int w,
     bar_arrive(kBarSwP0, kConsumerThreads);
     bar_sync(kBarSwP1, kConsumerThreads);  // P1 in shared memory
     if (moved) rescale_o(acc, beta);
-    sw_pv_smem(acc, sw_pdesc(smem, 1), sw_vdesc(smem, 1, 0));
+    pv_issue(acc, sw_pdesc(smem, 1), sw_vdesc(smem, 1, 0));
     const uint32_t free_k1lo = smem_addr(smem + sw_free(1, 0));
     if (i + 1 < npairs) {
       sw_qk<0>(smem, 0, (uint32_t)(i + 1) & 1u, s, free_k1lo);
@@ -305,10 +280,10 @@ DEVFN void seesaw_wg1(char* smem, int npairs, Acc& acc, float scale_log2, int w,
     sw_publish_base(sm, acc, r0, t, kBarSwM1);
     uint32_t pk[8][2];
     pack_p<8>(s, pk);
-    sw_pv_regs(acc, pk, sw_vdesc(smem, 1, 1));
+    pv_issue_regp(acc, pk, sw_vdesc(smem, 1, 1));
     store_p(smem, 1, pk, 0, w, lane);
     bar_sync(kBarSwP0, kConsumerThreads);  // P0 (at base m1) in shared memory
-    sw_pv_smem(acc, sw_pdesc(smem, 0), sw_vdesc(smem, 0, 1));
+    pv_issue(acc, sw_pdesc(smem, 0), sw_vdesc(smem, 0, 1));
     fence_proxy_async();  // this warpgroup's P1 stores, for warpgroup 0's wgmma
     bar_arrive(kBarSwP1, kConsumerThreads);
     wgmma_wait<1>();
