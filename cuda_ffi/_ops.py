@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.kv_cache import to_f16_saturating
+from dsv41_jax.kv_cache import f16_rows_pay, to_f16_saturating
 from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
 
 DECODE_TARGET = "dsv41_sparse_mla_decode"
@@ -211,17 +211,16 @@ def decode(call, *, plan: str = "device") -> tuple[jax.Array, jax.Array]:
 # ------------------------------------------------------------------------------ prefill
 def prefill_kv_f16(s_kv: int, s_q: int, topk_pad: int, num_groups: int) -> bool:
     """Whether the wrapper converts prefill's bf16 kv to f16 before the kernel (the f16-row kernel,
-    seesaw.cuh, copies rows with cp.async and splits the tensor work evenly between its consumers).
-    The conversion reads and writes every kv row once (~2 KB); the kernel reads s_q * topk rows per
-    64-head group. Converting pays when the rows are re-read often enough: s_kv * 8 <= s_q * topk *
-    groups (conversion ~0.6 ns per row on an H200 against ~0.1 ns saved per gathered row and group).
-    $DSV41_CUDA_PREFILL_ROWS=bf16|f16 overrides the rule (benchmark comparisons)."""
+    seesaw.cuh, copies rows with cp.async and splits the tensor work evenly between its consumers):
+    `dsv41_jax.kv_cache.f16_rows_pay` over the padded shapes, i.e. s_kv * 8 <= s_q * topk * groups (the
+    kernel reads s_q * topk rows per 64-head group; ~0.1 ns saved per gathered row and group against
+    ~0.6 ns per converted row). $DSV41_CUDA_PREFILL_ROWS=bf16|f16 overrides the rule (benchmark comparisons)."""
     forced = os.environ.get("DSV41_CUDA_PREFILL_ROWS", "")
     if forced:
         if forced not in ("bf16", "f16"):
             raise ValueError(f"DSV41_CUDA_PREFILL_ROWS must be 'bf16' or 'f16', got {forced!r}")
         return forced == "f16"
-    return s_kv * 8 <= s_q * topk_pad * num_groups
+    return f16_rows_pay(s_kv, s_q, topk_pad, num_groups * GROUP)
 
 
 def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, tuple, dict]:

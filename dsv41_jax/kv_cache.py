@@ -92,6 +92,7 @@ __all__ = [
     "gather_f32",
     "F16_MAX",
     "to_f16_saturating",
+    "f16_rows_pay",
 ]
 
 FORMATS = ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
@@ -109,6 +110,15 @@ def to_f16_saturating(x: Any) -> jax.Array:
     f16 tiles and of the f16 kv rows both prefills convert (pallas_kernels, cuda_ffi)."""
     y = jnp.asarray(x).astype(jnp.float32)
     return jnp.minimum(jnp.maximum(y, -F16_MAX), F16_MAX).astype(jnp.float16)
+
+
+def f16_rows_pay(s_kv: int, s_q: int, topk: int, heads: int) -> bool:
+    """Whether a prefill should convert its bf16 kv rows to f16 once (`to_f16_saturating`: one read + write of
+    2 KiB per row, ~0.6 ns per row on an H200) for a kernel that then runs on f16 rows: when the rows are
+    re-read often enough, s_kv <= s_q * topk * heads / 512. Measured savings on the H200 (s_q 4096, h 128,
+    topk 2048): pallas one P V wgmma instead of two, 1.76 of 6.87 ms; cuda the seesaw CTA, 5.69 -> 3.58 ms
+    (benchmarks/RESULTS.md)."""
+    return s_kv * 512 <= s_q * topk * heads
 _AMAX_FLOOR = 1e-4
 _FP8_NOPE_TILE = 64  # fp8_ds_mla
 _MXFP8_TILE = 32

@@ -248,7 +248,6 @@ def prefill(call, *, num_splits: int | None = None):
 
 
 def prefill_rows_f16(s_kv: int, s_q: int, topk: int, h: int) -> bool:
-    """Whether prefill converts kv to f16 (one read + write of 2 KiB per kv row) for the f16 kernel,
-    which saves the second P V wgmma (1.76 ms of 6.87 ms at s_q 4096, h 128, topk 2048 on the H200:
-    ~1.6 ps per query-head-entry, against ~0.6 ns per converted row): when s_kv <= s_q * topk * h / 512."""
-    return s_kv * 512 <= s_q * topk * h
+    """Whether prefill converts kv to f16 for the f16 kernel, which saves the second P V wgmma
+    (`dsv41_jax.kv_cache.f16_rows_pay`: s_kv <= s_q * topk * h / 512)."""
+    return kvc.f16_rows_pay(s_kv, s_q, topk, h)
