@@ -39,6 +39,8 @@
 #                 signal 11 under ncu on 2026-11-30): a report per case, its details page and its
 #                 per-instruction source page (SASS + CUDA lines). Five files per case: the device
 #                 tool returns at most 8 from $OUT, so point OUT elsewhere and pack what you need.
+#   trace         python -m benchmarks.decode_trace: per-tile timeline of the decode's roles from %clock stamps
+#                 (trace builds, $TRACE_VARIANTS default "consumers,full"); not recorded (experiments)
 #   ncu-export    per-instruction (SASS) and raw CSVs of stored reports $NCU_REPORTS (space-separated paths; pass
 #                 git-ignored ones such as prof/*.ncu-rep through the device tool's `carry`): there is no ncu on
 #                 the CPU machines; read the CSVs there with benchmarks.ncu_summary
@@ -110,6 +112,7 @@ for s in "${stages[@]}"; do
         DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
           --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
       done ;;
+    trace) run timeout 580 $PY -m benchmarks.decode_trace --variants "${TRACE_VARIANTS:-consumers,full}" --out "$OUT" ;;
     ncu) ncu_cases cuda "dsv41_(decode|prefill|prefill_f16)_kernel" ncu sass,cuda source "" --import-source yes ;;
     ncu-export)
       for r in ${NCU_REPORTS:-}; do

@@ -63,6 +63,47 @@
 
 namespace dsv41 {
 
+// Timeline experiment (DSV41_EXP_TRACE, device builds only; benchmarks/decode_trace.py): lane 0 of
+// producer warp 0 (slot 0) and of consumer warps 0 and 4 (slots 1, 2) of the first kTrCtas CTAs stamp
+// %clock at a few points of every tile; decode.cu exports dsv41_trace_read to copy the stamps out.
+#if defined(DSV41_EXP_TRACE) && defined(DSV41_TRACE_HERE) && DSV41_DEVICE
+}  // namespace dsv41
+__device__ unsigned dsv41_trace_buf[8 * 3 * 192 * 8];  // (unmangled: the asm below names it)
+namespace dsv41 {
+constexpr int kTrCtas = 8, kTrSlots = 3, kTrTiles = 192, kTrEvents = 8;
+static_assert(sizeof(dsv41_trace_buf) == 4 * kTrCtas * kTrSlots * kTrTiles * kTrEvents, "trace buffer");
+// All in one asm block, so the compiler cannot hoist the address work out of the loops (the pair's
+// producers have no register to spare: a hoisted base spilled 24 bytes).
+template <int kSlot, int kEv>
+DEVFN void trace_mark(int tile) {
+  asm volatile(
+      "{\n .reg .u32 c, b, l, i;\n .reg .u64 a;\n .reg .pred p, q;\n"
+      " mov.u32 c, %%clock;\n mov.u32 b, %%ctaid.x;\n mov.u32 l, %%laneid;\n"
+      " setp.lt.u32 p, b, %1;\n setp.lt.and.u32 p, %0, %2, p;\n setp.eq.and.u32 p, l, 0, p;\n"
+      " mad.lo.u32 i, b, %3, %0;\n mad.lo.u32 i, i, %4, %5;\n"
+      " mov.u64 a, dsv41_trace_buf;\n mad.wide.u32 a, i, 4, a;\n"
+      " @p st.global.u32 [a], c;\n}\n" ::"r"(tile),
+      "n"(kTrCtas), "n"(kTrTiles), "n"(kTrSlots * kTrTiles), "n"(kTrEvents), "n"(kSlot * kTrTiles * kTrEvents + kEv)
+      : "memory");
+}
+#define DSV41_TRACE(slot, tile, ev) ::dsv41::trace_mark<slot, ev>(tile)
+#ifdef DSV41_TRACE_NO_P  // consumers only
+#define DSV41_TRACE_P(tile, ev) ((void)0)
+#else
+#define DSV41_TRACE_P(tile, ev) DSV41_TRACE(0, tile, ev)
+#endif
+#else
+#define DSV41_TRACE(slot, tile, ev) ((void)0)
+#define DSV41_TRACE_P(tile, ev) ((void)0)
+#endif
+// The consumer slot of warp w (-1: not traced) and a mark for it.
+#ifndef DSV41_TRACE_NO_C
+#define DSV41_TRACE_C(w, tile, ev) \
+  do { if ((w) == 0) DSV41_TRACE(1, tile, ev); else if ((w) == 4) DSV41_TRACE(2, tile, ev); } while (0)
+#else
+#define DSV41_TRACE_C(w, tile, ev) ((void)0)
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -540,11 +581,14 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     tile_prefetch<NB>(ps, t1, a1, lane);
     const int buf = tc & 1;
     if (!kEarly) load_batch(ps, t0, a0, 0, lane, first);
+    if (pw == 0) DSV41_TRACE_P(tc, 1);
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
-      if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
+        if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
+    if (pw == 0) DSV41_TRACE_P(tc, 3);
     fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first);
+    if (pw == 0) DSV41_TRACE_P(tc, 4);
     if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
@@ -561,6 +605,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
       // rows only, the `.shared::cta` fence covers rows the peer wrote into this CTA's window.
       if constexpr (!kPairBulk) fence_proxy_async();
     }
+    if (pw == 0) DSV41_TRACE_P(tc, 6);
     bar_arrive(kBarFull0 + buf, C::full_count);
     if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
     t0 = t1;
@@ -692,7 +737,7 @@ DEVFN void exp_row(float (&s)[J][4], int hr, float base, float alpha, Acc& acc) 
 // maxima between the two token halves (barrier B1); online-softmax update of m, l; returns
 // alpha (rescale factor of rows r0, r0 + 8) and leaves P = 2^(S - base) in s.
 DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float scale_log2, int w, int lane,
-                        float (&alpha)[2]) {
+                        float (&alpha)[2], int tr = 0) {
   const int g = lane >> 2, t = lane & 3, rq = w & 3, th = w >> 2;
   float* rmax = reinterpret_cast<float*>(smem + kSmemRowMax);
   // tokens 32th..32th+31: mask words 4th..4th+3 (8 tokens each)
@@ -713,6 +758,7 @@ DEVFN void softmax_tile(char* smem, int buf, float (&s)[4][4], Acc& acc, float s
     rmax[th * 64 + r0 + 8] = mx[1];
   }
   bar_sync(kBarConsumers, kConsumerThreads);  // B1
+  DSV41_TRACE_C(w, tr, 4);
   // both token halves of a row compute the identical M
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -827,7 +873,7 @@ DEVFN void pv_wgmma_regp(Acc& acc, const uint32_t (&pk)[8][2], uint64_t vd) {
 // kPairConsumerRegs). Decode -1.6% (eighth session). The exchange region is reused per tile: a
 // warpgroup writes it again only after B1 of this tile, which the other one reaches after its reads.
 template <bool kBf16>
-DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane) {
+DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane, int tr = 0) {
   const uint32_t th = (uint32_t)(w >> 2);
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes) + th * 4u * 8192u;
   // (opaque: hoisted out of the tile loop, the 16 Q descriptors spilled)
@@ -835,6 +881,7 @@ DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane)
   const uint64_t kd = opaque_u64(wgmma_desc(ka, 16, 1024));
   float p[8][4];
   qk_wgmma<64, kBf16, kHeadDim / 32>(p, qd, kd);
+  DSV41_TRACE_C(w, tr, 2);
   const int tid = 32 * (w & 3) + lane;
   float4* xo = reinterpret_cast<float4*>(smem + kSmemXS + (int)th * 8192) + tid;
   const float4* xi = reinterpret_cast<const float4*>(smem + kSmemXS + (1 - (int)th) * 8192) + tid;
@@ -843,6 +890,7 @@ DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane)
     xo[128 * j] = th ? make_f4(p[j][0], p[j][1], p[j][2], p[j][3])
                      : make_f4(p[4 + j][0], p[4 + j][1], p[4 + j][2], p[4 + j][3]);
   bar_sync(kBarConsumers, kConsumerThreads);  // B0: partial scores exchanged
+  DSV41_TRACE_C(w, tr, 3);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float4 v = xi[128 * j];
@@ -859,7 +907,7 @@ DEVFN void sym_qk_ksplit(char* smem, int buf, float (&s)[4][4], int w, int lane)
 // V is the K tile read MN-major). The thread that owns a score row also owns that row of O, so
 // the rescale needs no exchange.
 template <bool kBf16, bool kKSplit>
-DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane) {
+DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, int w, int lane, int tr = 0) {
   // Operand descriptors built once per tile; each wgmma adds a constant offset (wgmma_desc_add).
   // (Taking th through a lane-0 shuffle, to make it uniform, cost the pair kernel 8 bytes of spills.)
   const uint32_t th = (uint32_t)(w >> 2);
@@ -870,20 +918,22 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   const uint64_t vd = wgmma_desc(ka + 4u * 8192u * th, 8192, 1024);
   float s[4][4];
   if constexpr (kKSplit)
-    sym_qk_ksplit<kBf16>(smem, buf, s, w, lane);
+    sym_qk_ksplit<kBf16>(smem, buf, s, w, lane, tr);
   else
     qk_wgmma<32, kBf16>(s, qd, kd);
 
   float alpha[2];
-  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha);
+  softmax_tile(smem, buf, s, acc, scale_log2, w, lane, alpha, tr);
   uint32_t pk[4][2];
   pack_p<4, kBf16>(s, pk);
   store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
   fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
+  DSV41_TRACE_C(w, tr, 5);
 
   rescale_o(acc, alpha);
   pv_wgmma<kBf16>(acc, pd, vd);
+  DSV41_TRACE_C(w, tr, 6);
   // The tile's operands have been read: the caller releases the buffer (release_tile).
 }
 
@@ -1064,7 +1114,7 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
   }
 #endif
   if constexpr (kWgmma)
-    consume_tile_wgmma<C::bf16, C::ksplit>(smem, tc & 1, acc, scale_log2, w, lane);
+    consume_tile_wgmma<C::bf16, C::ksplit>(smem, tc & 1, acc, scale_log2, w, lane, tc);
   else
     consume_tile_mma_sync(smem, tc & 1, acc, scale_log2, w, lane);
 }
@@ -1075,9 +1125,12 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
 template <class C>
 DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
   for (int tc = tc0; tc < tc0 + n; ++tc) {
+    DSV41_TRACE_C(w, tc, 0);
     await_tile(crew, tc, w);
+    DSV41_TRACE_C(w, tc, 1);
     consume_tile(crew, smem, tc, acc, scale_log2, w, lane);
     release_tile(crew, tc, lane);
+    DSV41_TRACE_C(w, tc, 7);
   }
 }
 

@@ -23,8 +23,13 @@ constexpr int kConsumerRegs = 184;
 // A pair's producers (symmetric consumers: decode's) hold one fp8 token quarter or half a bf16 row
 // (kernels.cuh BatchT<9>) and fit 104 registers; its consumers' m64n64 partial scores (sym_qk_ksplit) need
 // the 200. (A 12-byte spill in the producers made the decode 20% slower: RESULTS.md, eighth session.)
+#ifndef DSV41_EXP_PAIR_REGS_P
 constexpr int kPairProducerRegs = 104;  // 104 + 2 x 200 = 504
 constexpr int kPairConsumerRegs = 200;
+#else  // experiments (the trace build): producers DSV41_EXP_PAIR_REGS_P, consumers what is left
+constexpr int kPairProducerRegs = DSV41_EXP_PAIR_REGS_P;
+constexpr int kPairConsumerRegs = ((3 * 168 - DSV41_EXP_PAIR_REGS_P) / 2) & ~7;
+#endif
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
 constexpr int kSplitConsumerRegs = 192;
 // The f16-row prefill (seesaw.cuh): cp.async producers hold only addresses (72), each consumer keeps
