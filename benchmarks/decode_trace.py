@@ -98,7 +98,7 @@ def run_variant(case_name: str, out: Path) -> dict:
     from benchmarks import sparse_mla as bm
 
     case = next(c for c in bm.DECODE_CASES if c.name == case_name)
-    res = bm.run_case(case, "cuda", bm._timer("auto"), sets=2, iterations=5)
+    res = bm.run_case(case, "cuda", bm._timer("auto")[0], sets=2, iterations=5)
     lib = cuda_ffi.load_library()
     shape = (ctypes.c_int * 4)()
     lib.dsv41_trace_shape(shape)
