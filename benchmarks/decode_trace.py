@@ -9,8 +9,10 @@ the steady-state tiles (the first and last 4 tiles of each CTA left out), the ti
 hand-off latencies between the roles of one CTA (same SM, same clock):
 
   consumer events  0 before FULL wait, 1 after it, 2 S wgmma done, 3 partial scores exchanged (B0),
-                   4 row maxima exchanged (B1), 5 P written (B2), 6 PV done, 7 tile released
-  producer events  1 before EMPTY wait, 3 after EMPTY + PEMPTY, 4 rows stored + copies issued, 6 PFULL done
+                   4 row maxima exchanged (B1), 8 P stored, 9 proxy fence done, 5 P written (B2), 6 PV done,
+                   7 tile released
+  producer events  1 before EMPTY wait, 3 after EMPTY + PEMPTY, 0 rows stored, 2 proxy fence done,
+                   7 copies to the peer issued, 4 fill_tile done, 6 PFULL done
 
 Variants: `consumers` (consumer stamps only: the default build's registers, no spill), `full` (producer
 stamps too: they need producers at 112 registers, consumers 192: a few bytes of spill, so its period is
@@ -37,9 +39,10 @@ for _base in list(VARIANTS):
     VARIANTS[_base + "_no_mma"] = VARIANTS[_base] + ("DSV41_EXP_NO_MMA",)
     VARIANTS[_base + "_no_gather"] = VARIANTS[_base] + ("DSV41_EXP_NO_GATHER",)
 
-C_STEPS = [("full_wait", 0, 1), ("qk", 1, 2), ("b0_xchg", 2, 3), ("softmax_b1", 3, 4), ("p_b2", 4, 5),
-           ("pv", 5, 6), ("release", 6, 7)]
-P_STEPS = [("empty_wait", 1, 3), ("fill", 3, 4), ("pfull", 4, 6)]
+C_STEPS = [("full_wait", 0, 1), ("qk", 1, 2), ("b0_xchg", 2, 3), ("softmax_b1", 3, 4), ("p_store", 4, 8),
+           ("p_fence", 8, 9), ("b2", 9, 5), ("pv", 5, 6), ("release", 6, 7)]
+P_STEPS = [("empty_wait", 1, 3), ("dequant_store", 3, 0), ("fence", 0, 2), ("copies", 2, 7), ("fill", 3, 4),
+           ("pfull", 4, 6)]
 
 
 def _d(a, b):
@@ -50,7 +53,7 @@ def _d(a, b):
 
 
 def summarize(tr, has_p: bool) -> dict:
-    """tr: u32 [ctas][3 slots][tiles][8 events]. Medians over CTAs and steady-state tiles."""
+    """tr: u32 [ctas][3 slots][tiles][12 events]. Medians over CTAs and steady-state tiles."""
     import numpy as np
 
     out: dict = {}

@@ -68,9 +68,9 @@ namespace dsv41 {
 // %clock at a few points of every tile; decode.cu exports dsv41_trace_read to copy the stamps out.
 #if defined(DSV41_EXP_TRACE) && defined(DSV41_TRACE_HERE) && DSV41_DEVICE
 }  // namespace dsv41
-__device__ unsigned dsv41_trace_buf[8 * 3 * 192 * 8];  // (unmangled: the asm below names it)
+__device__ unsigned dsv41_trace_buf[8 * 3 * 192 * 12];  // (unmangled: the asm below names it)
 namespace dsv41 {
-constexpr int kTrCtas = 8, kTrSlots = 3, kTrTiles = 192, kTrEvents = 8;
+constexpr int kTrCtas = 8, kTrSlots = 3, kTrTiles = 192, kTrEvents = 12;
 static_assert(sizeof(dsv41_trace_buf) == 4 * kTrCtas * kTrSlots * kTrTiles * kTrEvents, "trace buffer");
 // All in one asm block, so the compiler cannot hoist the address work out of the loops (the pair's
 // producers have no register to spare: a hoisted base spilled 24 bytes).
@@ -476,7 +476,7 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
 // fp8 chunk c = q + 4i becomes f16 chunks 2c, 2c + 1 = 8i + 2q (+1), the RoPE f16 chunks 56 + 2q (+1).
 template <class C, int NV>
 DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t vmask, const Share& sh, int b,
-                       int lane, const BatchT<NV>& bt, int half = 0, bool last = true) {
+                       int lane, const BatchT<NV>& bt, int half = 0, bool last = true, int tr = -1) {
   // raw: rows stored as loaded (bf16 operands, or f16 rows: those reach prefill_cta only in builds
   // without wgmma, seesaw.cuh takes them elsewhere; so the decode's producers carry no such test)
   const bool fp8 = fmt == kFmtFp8DsMla, raw = C::bf16 || (!kWgmma && fmt == kFmtF16);
@@ -509,14 +509,17 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
   if (!last) return;
   if constexpr (C::ncta == 2 && kPairBulk) {
     // rows sh.base + 8b .. + 7: 1 KB at j * 8192 + 128 * row0 of column block j, in both CTAs
+    if (tr >= 0) DSV41_TRACE_P(tr, 0);
     fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
     syncwarp();
+    if (tr >= 0) DSV41_TRACE_P(tr, 2);
     const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
     if (lane == 0) {  // (lanes 0..7 issuing one copy each measured the same: RESULTS.md, seventh session)
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
     }
+    if (tr >= 0) DSV41_TRACE_P(tr, 7);
   }
 }
 
@@ -528,7 +531,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
 // ring across tiles.)
 template <int NB, class C, int NV>
 DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const TileSrc& t, const TileAddr<NB>& a,
-                     const Share& sh, int lane, BatchT<NV>& first) {
+                     const Share& sh, int lane, BatchT<NV>& first, int tr = -1) {
   static_assert(NV == 16 || NB == 1, "half-row batches serve one batch per warp and tile (pairs)");
   const int32_t fmt = DSV41_POOL(ps, t, fmt);
   if (NV < 16 && fmt != kFmtFp8DsMla) {  // 2-byte rows in halves (warp-uniform)
@@ -536,7 +539,7 @@ DEVFN void fill_tile(char* smem, const C& crew, int buf, const Pools& ps, const 
     load_batch(ps, t, a, 0, lane, first, 1);
     store_batch(smem, crew, buf, fmt, a.vmask, sh, 0, lane, first, 1, true);
   } else {
-    store_batch(smem, crew, buf, fmt, a.vmask, sh, 0, lane, first);
+    store_batch(smem, crew, buf, fmt, a.vmask, sh, 0, lane, first, 0, true, tr);
   }
 #pragma unroll 1
   for (int b = 1; b < NB; ++b) {
@@ -587,7 +590,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
         if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
     if (pw == 0) DSV41_TRACE_P(tc, 3);
-    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first);
+    fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first, pw == 0 ? tc : -1);
     if (pw == 0) DSV41_TRACE_P(tc, 4);
     if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
@@ -927,7 +930,9 @@ DEVFN void consume_tile_wgmma(char* smem, int buf, Acc& acc, float scale_log2, i
   uint32_t pk[4][2];
   pack_p<4, kBf16>(s, pk);
   store_p(smem, buf, pk, 4 * (w >> 2), w, lane);
+  DSV41_TRACE_C(w, tr, 8);
   fence_proxy_async();
+  DSV41_TRACE_C(w, tr, 9);
   bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
   DSV41_TRACE_C(w, tr, 5);
 
