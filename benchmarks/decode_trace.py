@@ -11,8 +11,8 @@ hand-off latencies between the roles of one CTA (same SM, same clock):
   consumer events  0 before FULL wait, 1 after it, 2 S wgmma done, 3 partial scores exchanged (B0),
                    4 row maxima exchanged (B1), 8 P stored, 9 proxy fence done, 5 P written (B2), 6 PV done,
                    7 tile released
-  producer events  1 before EMPTY wait, 3 after EMPTY + PEMPTY, 0 rows stored, 2 proxy fence done,
-                   7 copies to the peer issued, 4 fill_tile done, 6 PFULL done
+  producer events  8 loop top, 9 next tile's indices issued, 10 addresses done, 1 before EMPTY wait, 3 after EMPTY + PEMPTY, 0 rows stored, 2 proxy fence done,
+                   7 copies to the peer issued, 4 fill_tile done, 6 PFULL done, 5 FULL arrived
 
 Variants: `consumers` (consumer stamps only: the default build's registers, no spill), `full` (producer
 stamps too: they need producers at 112 registers, consumers 192: a few bytes of spill, so its period is
@@ -41,8 +41,8 @@ for _base in list(VARIANTS):
 
 C_STEPS = [("full_wait", 0, 1), ("qk", 1, 2), ("b0_xchg", 2, 3), ("softmax_b1", 3, 4), ("p_store", 4, 8),
            ("p_fence", 8, 9), ("b2", 9, 5), ("pv", 5, 6), ("release", 6, 7)]
-P_STEPS = [("empty_wait", 1, 3), ("dequant_store", 3, 0), ("fence", 0, 2), ("copies", 2, 7), ("fill", 3, 4),
-           ("pfull", 4, 6)]
+P_STEPS = [("index", 8, 9), ("addr", 9, 10), ("prefetch", 10, 1), ("empty_wait", 1, 3), ("dequant_store", 3, 0), ("fence", 0, 2), ("copies", 2, 7), ("fill", 3, 4),
+           ("pfull", 4, 6), ("full_arrive", 6, 5)]
 
 
 def _d(a, b):
@@ -82,7 +82,7 @@ def summarize(tr, has_p: bool) -> dict:
             sl = slice(4, n - 4)
             for k, a, b in P_STEPS:
                 rows[k].append(_d(p[sl, a], p[sl, b]))
-            rows["loop"].append(_d(p[4:n - 5, 6], p[5:n - 4, 1]))
+            rows["loop"].append(_d(p[4:n - 5, 5], p[5:n - 4, 8]))
             rows["full_to_wake"].append(_d(p[sl, 6], c[sl, 1]))  # FULL arrival -> consumer wakes (<0: it was late)
             rows["release_to_refill"].append(_d(c[4:n - 6, 7], p[6:n - 4, 3]))  # tile t released -> t + 2 may fill
         out["producer"] = {}

@@ -578,9 +578,12 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
   int tc = 0;
   for (; t0.ok; ++tc) {
+    if (pw == 0) DSV41_TRACE_P(tc, 8);
     const TileSrc t2 = next();
     const TileIdx<NB> i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
+    if (pw == 0) DSV41_TRACE_P(tc, 9);
     const TileAddr<NB> a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
+    if (pw == 0) DSV41_TRACE_P(tc, 10);
     tile_prefetch<NB>(ps, t1, a1, lane);
     const int buf = tc & 1;
     if (!kEarly) load_batch(ps, t0, a0, 0, lane, first);
@@ -610,6 +613,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     }
     if (pw == 0) DSV41_TRACE_P(tc, 6);
     bar_arrive(kBarFull0 + buf, C::full_count);
+    if (pw == 0) DSV41_TRACE_P(tc, 5);
     if constexpr (C::split) bar_arrive(kBarFullWg1_0 + buf, C::full_count);
     t0 = t1;
     a0 = a1;
