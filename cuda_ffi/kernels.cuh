@@ -514,11 +514,15 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
     syncwarp();
     if (tr >= 0) DSV41_TRACE_P(tr, 2);
     const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
+#ifdef DSV41_EXP_ONE_COPY  // timing only (wrong rows in the peer): one 8 KB copy per warp instead of eight 1 KB
+    if (lane == 0) bulk_copy_to_peer(rbuf + o, smem_addr(kbuf) + o, 8192u, rbar);
+#else
     if (lane == 0) {  // (lanes 0..7 issuing one copy each measured the same: RESULTS.md, seventh session)
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
     }
+#endif
     if (tr >= 0) DSV41_TRACE_P(tr, 7);
   }
 }
