@@ -104,6 +104,7 @@ for s in "${stages[@]}"; do
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
                "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
                "no_qk_ksplit:--define DSV41_EXP_NO_QK_KSPLIT" "one_copy:--define DSV41_EXP_ONE_COPY" \
+               "wg_split_pr:--define DSV41_EXP_WG_SPLIT --define DSV41_EXP_SPLIT_PAIR_REGS" \
                ${extra[@]+"${extra[@]}"}; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac

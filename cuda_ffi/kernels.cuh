@@ -161,8 +161,13 @@ struct Crew {
   static constexpr bool split = kSplit && kWgmma;
   static constexpr bool bf16 = kBf16 && kWgmma;
   static constexpr bool ksplit = kPair && !split && kWgmma && kQkKSplit;
-  static constexpr int producer_regs = split ? kSplitProducerRegs : kPair ? kPairProducerRegs : kProducerRegs;
-  static constexpr int consumer_regs = split ? kSplitConsumerRegs : kPair ? kPairConsumerRegs : kConsumerRegs;
+#ifdef DSV41_EXP_SPLIT_PAIR_REGS  // experiment: split consumers of a pair at the pair's 104 / 200
+  static constexpr bool split_regs = split && !kPair;
+#else
+  static constexpr bool split_regs = split;
+#endif
+  static constexpr int producer_regs = split_regs ? kSplitProducerRegs : kPair ? kPairProducerRegs : kProducerRegs;
+  static constexpr int consumer_regs = split_regs ? kSplitConsumerRegs : kPair ? kPairConsumerRegs : kConsumerRegs;
   static constexpr int full_count = split ? 256 : kThreads;  // FULL b: producers + the consumers waiting
   int rank;       // in the cluster
   uint32_t peer;  // cluster address of the peer's shared-memory base (pairs)
