@@ -8,9 +8,10 @@ the last call's stamps out (`dsv41_trace_read`) and prints, per role, the median
 the steady-state tiles (the first and last 4 tiles of each CTA left out), the tile period, and the
 hand-off latencies between the roles of one CTA (same SM, same clock):
 
-  consumer events  0 before FULL wait, 1 after it, 2 S wgmma done, 3 partial scores exchanged (B0),
+  consumer events  (symmetric consumers) 0 before FULL wait, 1 after it, 2 S wgmma done, 3 partial scores exchanged (B0),
                    4 row maxima exchanged (B1), 8 P stored, 9 proxy fence done, 5 P written (B2), 6 PV done,
-                   7 tile released
+                   7 tile released; (split consumers) 0 / 1 FULL wait, 2 S done (warpgroup 0), 4 P packed,
+                   5 P and alpha published (warpgroup 0) / received (warpgroup 1), 6 PV done, 7 released
   producer events  8 loop top, 9 next tile's indices issued, 10 addresses done, 1 before EMPTY wait, 3 after EMPTY + PEMPTY, 0 rows stored, 2 proxy fence done,
                    7 copies to the peer issued, 4 fill_tile done, 6 PFULL done, 5 FULL arrived
 
@@ -42,6 +43,10 @@ for _base in list(VARIANTS):
 
 C_STEPS = [("full_wait", 0, 1), ("qk", 1, 2), ("b0_xchg", 2, 3), ("softmax_b1", 3, 4), ("p_store", 4, 8),
            ("p_fence", 8, 9), ("b2", 9, 5), ("pv", 5, 6), ("release", 6, 7)]
+# split consumers (the default of a pair): warpgroup 0 / warpgroup 1
+C_STEPS_SPLIT = {"wg0": [("full_wait", 0, 1), ("qk", 1, 2), ("softmax", 2, 4), ("p_store_fence", 4, 5), ("pv", 5, 6),
+                         ("release", 6, 7)],
+                 "wg1": [("full_wait", 0, 1), ("p_wait", 1, 5), ("pv", 5, 6), ("release", 6, 7)]}
 P_STEPS = [("index", 8, 9), ("addr", 9, 10), ("prefetch", 10, 1), ("empty_wait", 1, 3), ("dequant_store", 3, 0), ("fence", 0, 2), ("copies", 2, 7), ("fill", 3, 4),
            ("pfull", 4, 6), ("full_arrive", 6, 5)]
 
@@ -58,8 +63,10 @@ def summarize(tr, has_p: bool) -> dict:
     import numpy as np
 
     out: dict = {}
+    split = not np.count_nonzero(tr[:, 1, :, 3])  # no B0 stamp: split consumers
     for slot, name in ((1, "wg0"), (2, "wg1")):
-        rows = {k: [] for k, _, _ in C_STEPS}
+        steps = C_STEPS_SPLIT[name] if split else C_STEPS
+        rows = {k: [] for k, _, _ in steps}
         rows["period"], rows["loop"] = [], []
         for cta in range(tr.shape[0]):
             c = tr[cta, slot]
@@ -67,7 +74,7 @@ def summarize(tr, has_p: bool) -> dict:
             if n < 12:
                 continue
             sl = slice(4, n - 4)
-            for k, a, b in C_STEPS:
+            for k, a, b in steps:
                 rows[k].append(_d(c[sl, a], c[sl, b]))
             rows["period"].append(_d(c[4:n - 5, 0], c[5:n - 4, 0]))
             rows["loop"].append(_d(c[4:n - 5, 7], c[5:n - 4, 0]))

@@ -22,14 +22,17 @@
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
 #                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither, decode
-#                 without head-group pairs, FlashMLA's
-#                 consumer split (warpgroup 0 S + softmax + O[:, :256], warpgroup 1 O[:, 256:]) for
-#                 decode (wg_split) / symmetric consumers for prefill (no_wg_split), no L2 prefetch of
+#                 without head-group pairs, symmetric consumers (both warpgroups S for half the
+#                 tokens, O for half the dims) instead of FlashMLA's split (warpgroup 0 S + softmax +
+#                 O[:, :256], warpgroup 1 O[:, 256:]) for a pair's decode (decode_sym) / for prefill
+#                 (no_wg_split), no L2 prefetch of
 #                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
 #                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
 #                 rows sent to the peer by lane st.async stores instead of cp.async.bulk (pair_st_async),
-#                 a pair's consumers computing S split over the tokens (no_qk_ksplit: S by m64n32 per
-#                 warpgroup, each reading all of Q)) and for
+#                 symmetric pair consumers computing S split over the tokens (decode_sym no_qk_ksplit: S by
+#                 m64n32 per warpgroup, each reading all of Q), one 8 KB peer copy per producer warp
+#                 (one_copy, timing only), a pair's producers doing the next tile's index and address work
+#                 while their copies are in flight (late_lookahead)) and for
 #                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
 #                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
 #                 the cases (default: decode,prefill), $ABL_EXTRA more variants,
@@ -99,12 +102,12 @@ for s in "${stages[@]}"; do
       for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
                "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
                "no_pair:--define DSV41_EXP_NO_PAIR" \
-               "wg_split:--define DSV41_EXP_WG_SPLIT" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
+               "decode_sym:--define DSV41_EXP_DECODE_SYM" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
                "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
                "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
                "no_qk_ksplit:--define DSV41_EXP_NO_QK_KSPLIT" "one_copy:--define DSV41_EXP_ONE_COPY" \
-               "wg_split_pr:--define DSV41_EXP_WG_SPLIT --define DSV41_EXP_SPLIT_PAIR_REGS" \
+               "late_lookahead:--define DSV41_EXP_LATE_LOOKAHEAD" \
                ${extra[@]+"${extra[@]}"}; do
         name="${v%%:*}"; flags="${v#*:}"
         case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac

@@ -8,11 +8,11 @@
 //   warps 0..7  consumers: sm_90a wgmma (consume_tile_wgmma), sm_100a mma.sync (consume_tile_mma_sync)
 //   warps 8..11 producers (gather the selected KV rows of each 64-token tile, all 64 or, in a
 //               2-CTA pair, 32 of them; dequantize fp8 -> f16)
-// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (a pair with
-// symmetric consumers, decode's: 200 and 104; split consumers, prefill's default: 192 and 120; params.h).
-// Consumers, two shapes (Crew::split): symmetric (below: decode's default, and the sm_100a build's
+// setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (a pair,
+// decode's: 200 and 104; one CTA with split consumers, prefill's default: 192 and 120; params.h).
+// Consumers, two shapes (Crew::split): symmetric (below: one CTA's decode, and the sm_100a build's
 // mma.sync path) or FlashMLA's split (consume_tile_split: warpgroup 0 S + softmax + O[:, :256],
-// warpgroup 1 O[:, 256:]; prefill's default on sm_90a).
+// warpgroup 1 O[:, 256:]; a pair's decode and prefill on sm_90a).
 // Tensor-core operands are f16 with f32 accumulation (bf16 / e4m3 x 2^e inputs convert exactly inside
 // f16's range, magnitudes below 2^-17 round on its subnormal grid, beyond +-65504 they saturate).
 // Shared memory (params.h, 231264 B from a 1024-aligned base): Q f16 [64 heads][512], K/V f16
@@ -161,11 +161,9 @@ struct Crew {
   static constexpr bool split = kSplit && kWgmma;
   static constexpr bool bf16 = kBf16 && kWgmma;
   static constexpr bool ksplit = kPair && !split && kWgmma && kQkKSplit;
-#ifdef DSV41_EXP_SPLIT_PAIR_REGS  // experiment: split consumers of a pair at the pair's 104 / 200
+  // A pair's producers fit 104 registers either way; one CTA's (two batches per warp) need 120 with
+  // split consumers (192) and 128 with symmetric ones (184).
   static constexpr bool split_regs = split && !kPair;
-#else
-  static constexpr bool split_regs = split;
-#endif
   static constexpr int producer_regs = split_regs ? kSplitProducerRegs : kPair ? kPairProducerRegs : kProducerRegs;
   static constexpr int consumer_regs = split_regs ? kSplitConsumerRegs : kPair ? kPairConsumerRegs : kConsumerRegs;
   static constexpr int full_count = split ? 256 : kThreads;  // FULL b: producers + the consumers waiting
@@ -585,15 +583,25 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   constexpr bool kEarly = pair;
   BatchT<pair ? 9 : 16> first;
   if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
+#ifdef DSV41_EXP_LATE_LOOKAHEAD
+  constexpr bool kLate = pair;
+#else
+  constexpr bool kLate = false;
+#endif
   int tc = 0;
   for (; t0.ok; ++tc) {
-    if (pw == 0) DSV41_TRACE_P(tc, 8);
-    const TileSrc t2 = next();
-    const TileIdx<NB> i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
-    if (pw == 0) DSV41_TRACE_P(tc, 9);
-    const TileAddr<NB> a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
-    if (pw == 0) DSV41_TRACE_P(tc, 10);
-    tile_prefetch<NB>(ps, t1, a1, lane);
+    TileSrc t2;
+    TileIdx<NB> i2;
+    TileAddr<NB> a1;
+    if constexpr (!kLate) {
+      if (pw == 0) DSV41_TRACE_P(tc, 8);
+      t2 = next();
+      i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
+      if (pw == 0) DSV41_TRACE_P(tc, 9);
+      a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
+      if (pw == 0) DSV41_TRACE_P(tc, 10);
+      tile_prefetch<NB>(ps, t1, a1, lane);
+    }
     const int buf = tc & 1;
     if (!kEarly) load_batch(ps, t0, a0, 0, lane, first);
     if (pw == 0) DSV41_TRACE_P(tc, 1);
@@ -604,6 +612,14 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     if (pw == 0) DSV41_TRACE_P(tc, 3);
     fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first, pw == 0 ? tc : -1);
     if (pw == 0) DSV41_TRACE_P(tc, 4);
+    if constexpr (kLate) {  // while the copies to the peer are in flight
+      if (pw == 0) DSV41_TRACE_P(tc, 8);
+      t2 = next();
+      i2 = tile_index<NB>(ps, t2, sh, lane);
+      if (pw == 0) DSV41_TRACE_P(tc, 9);
+      a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
+      if (pw == 0) DSV41_TRACE_P(tc, 10);
+    }
     if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
@@ -1047,8 +1063,8 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // tile n + 1. Warpgroup 1 keeps l = 0 and never moves m (the epilogue
 // adds the two halves' l and takes warpgroup 0's m). P and alpha are double-buffered (buffer tc & 1);
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
-// released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. Prefill's
-// default; decode's under DSV41_EXP_WG_SPLIT (test_emulated_flipped_consumer_shapes).
+// released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. The default
+// for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
 template <bool kBf16>
 DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
@@ -1061,6 +1077,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     const uint64_t kd = wgmma_desc(ka, 16, 1024);
     float s[8][4];
     qk_wgmma<64, kBf16>(s, qd, kd);
+    DSV41_TRACE_C(w, tc, 2);
     // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
     const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
     const float ninf = -finf();
@@ -1077,6 +1094,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     }
     uint32_t pk[8][2];
     pack_p<8, kBf16>(s, pk);
+    DSV41_TRACE_C(w, tc, 4);
     store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
     if (t == 0) {
       alpha_b[r0] = alpha[0];
@@ -1084,28 +1102,35 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     }
     fence_proxy_async();
     bar_arrive(kBarPReady0 + buf, kConsumerThreads);
+    DSV41_TRACE_C(w, tc, 5);
     rescale_o(acc, alpha);
     pv_wgmma_regp<kBf16>(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
+    DSV41_TRACE_C(w, tc, 6);
     return;
   }
   bar_sync(kBarPReady0 + buf, kConsumerThreads);
+  DSV41_TRACE_C(w, tc, 5);
   alpha[0] = alpha_b[r0];
   alpha[1] = alpha_b[r0 + 8];
   rescale_o(acc, alpha);
   pv_wgmma<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
            wgmma_desc(ka + 4u * 8192u, 8192, 1024));
+  DSV41_TRACE_C(w, tc, 6);
 }
 #endif
 
-// Which consumers each kernel uses (measured on the H200, RESULTS.md "cuda split consumers" and "cuda
-// sixth session"): the split wins for prefill (5878 -> 5412 us); for the paired decode it lost 3% with
-// warpgroup 0's P through shared memory and, with P from registers, gains 0.7-1.6% (within the spread
-// between calls), so decode keeps the symmetric consumers for now. DSV41_EXP_WG_SPLIT /
-// DSV41_EXP_NO_WG_SPLIT flip them for ablations.
-#ifdef DSV41_EXP_WG_SPLIT
-constexpr bool kDecodeSplit = true;
-#else
+// Which consumers each kernel uses (measured on the H200, RESULTS.md "cuda split consumers", "cuda
+// sixth session" and "thirteenth session"): the split wins for prefill (5878 -> 5412 us) and for a pair's
+// decode (396.4 -> 376.4 us in one call once its producers keep their 104 registers: the earlier
+// comparisons gave them 120 and a 24-byte spill). The split shortens the time a tile is held (warpgroup
+// 1's PV of tile n overlaps warpgroup 0's S of tile n + 1, and no row-max or P barrier joins both), and
+// with two K buffers that time, plus the producers' refill, sets the tile period. One CTA's decode keeps
+// the symmetric consumers (the split spills 16 bytes there at 120 / 192 registers).
+// DSV41_EXP_DECODE_SYM / DSV41_EXP_NO_WG_SPLIT flip them for ablations.
+#ifdef DSV41_EXP_DECODE_SYM
 constexpr bool kDecodeSplit = false;
+#else
+constexpr bool kDecodeSplit = true;
 #endif
 #ifdef DSV41_EXP_NO_WG_SPLIT
 constexpr bool kPrefillSplit = false;
@@ -1356,7 +1381,7 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
 template <bool kPair>
 DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const auto crew = crew_setup<kPair, kDecodeSplit>(smem);
+  const auto crew = crew_setup<kPair, kDecodeSplit && kPair>(smem);
   const int64_t bid = block_idx();
   const int group = (int)(bid % p.num_groups);
   const int64_t rest = bid / p.num_groups;

@@ -20,9 +20,10 @@ constexpr int kLaunchRegs = (65536 / kThreads) & ~7;  // 168
 static_assert(kLaunchRegs == 168, "the register budgets below assume 384 threads");
 constexpr int kProducerRegs = 128;       // symmetric consumers, one CTA: 128 + 2 x 184 = 496
 constexpr int kConsumerRegs = 184;
-// A pair's producers (symmetric consumers: decode's) hold one fp8 token quarter or half a bf16 row
-// (kernels.cuh BatchT<9>) and fit 104 registers; its consumers' m64n64 partial scores (sym_qk_ksplit) need
-// the 200. (A 12-byte spill in the producers made the decode 20% slower: RESULTS.md, eighth session.)
+// A pair's producers hold one fp8 token quarter or half a bf16 row (kernels.cuh BatchT<9>) and fit 104
+// registers; its consumers get 200 (split: warpgroup 0's S and packed P next to O; symmetric: the m64n64
+// partial scores of sym_qk_ksplit). (A 12-byte spill in the producers made the decode 20% slower:
+// RESULTS.md, eighth session; the split consumers at 120 / 192 spilled 24 bytes, thirteenth session.)
 #ifndef DSV41_EXP_PAIR_REGS_P
 constexpr int kPairProducerRegs = 104;  // 104 + 2 x 200 = 504
 constexpr int kPairConsumerRegs = 200;

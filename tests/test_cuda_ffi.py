@@ -345,14 +345,14 @@ print("SPLIT-OK")
 
 
 def test_emulated_flipped_consumer_shapes(tmp_path):
-    # The default build gives decode the symmetric consumers and prefill the split ones (warpgroup 0:
-    # S, softmax, O[:, :256]; warpgroup 1: O[:, 256:]); this emulator flips both (DSV41_EXP_WG_SPLIT,
-    # DSV41_EXP_NO_WG_SPLIT): split decode in single CTAs, pairs, split requests, bf16 and fp8, and a
-    # symmetric prefill; it also runs prefill's even head groups as 2-CTA pairs (DSV41_EXP_PREFILL_PAIR), and the
+    # The default build gives a pair's decode and prefill the split consumers (warpgroup 0: S, softmax,
+    # O[:, :256]; warpgroup 1: O[:, 256:]) and one CTA's decode the symmetric ones; this emulator flips the
+    # pairs and prefill (DSV41_EXP_DECODE_SYM, DSV41_EXP_NO_WG_SPLIT): symmetric pairs (S split over the
+    # dims, sym_qk_ksplit), single CTAs, split requests, bf16 and fp8, and a symmetric prefill; it also runs prefill's even head groups as 2-CTA pairs (DSV41_EXP_PREFILL_PAIR), and the
     # pairs send their rows to the peer by lane st.async stores instead of cp.async.bulk (DSV41_EXP_PAIR_ST_ASYNC).
     if cbuild.find_cxx() is None:
         pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_WG_SPLIT", "DSV41_EXP_NO_WG_SPLIT",
+    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_DECODE_SYM", "DSV41_EXP_NO_WG_SPLIT",
                                                                   "DSV41_EXP_PREFILL_PAIR", "DSV41_EXP_PAIR_ST_ASYNC"))
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
