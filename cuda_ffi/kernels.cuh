@@ -113,6 +113,14 @@ enum : int { kBarCta = 0, kBarConsumers = 1, kBarFull0 = 2, kBarEmpty0 = 4 };
 // for warpgroup 1 (FULL b is then warpgroup 0's: each warpgroup waits for the tile
 // on its own, so warpgroup 0 can start tile n + 1 while warpgroup 1 is still in tile n).
 enum : int { kBarPReady0 = 6, kBarFullWg1_0 = 9 };
+// A pair's split decode (AddrGen): warpgroup 1 has published the first tiles' addresses (warpgroup 1
+// arrives, the producers sync; once per CTA). DSV41_EXP_NO_WG1_ADDR: the producers compute them.
+enum : int { kBarAddr = 8 };
+#ifdef DSV41_EXP_NO_WG1_ADDR
+constexpr bool kWg1Addr = false;
+#else
+constexpr bool kWg1Addr = true;
+#endif
 constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 
 // Byte offset of 16-byte chunk `chunk` (dims 8*chunk..+7) of row `row` in a [64][512] f16 matrix
@@ -167,6 +175,7 @@ struct Crew {
   static constexpr int producer_regs = split_regs ? kSplitProducerRegs : kPair ? kPairProducerRegs : kProducerRegs;
   static constexpr int consumer_regs = split_regs ? kSplitConsumerRegs : kPair ? kPairConsumerRegs : kConsumerRegs;
   static constexpr int full_count = split ? 256 : kThreads;  // FULL b: producers + the consumers waiting
+  static constexpr bool wg1_addr = kWg1Addr && kPair && split;  // warpgroup 1 computes the gather addresses
   int rank;       // in the cluster
   uint32_t peer;  // cluster address of the peer's shared-memory base (pairs)
 };
@@ -327,6 +336,35 @@ DEVFN TileIdx<NB> tile_index(const Pools& ps, const TileSrc& t, const Share& sh,
   return r;
 }
 
+// The fields of a tile's pool that place its tokens (read once per tile).
+struct PoolGeom {
+  bool fp8;
+  int64_t cap, pb;
+  int32_t bs;
+};
+DEVFN PoolGeom pool_geom(const Pools& ps, const TileSrc& t) {
+  PoolGeom g;
+  g.fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
+  g.cap = DSV41_POOL(ps, t, capacity);
+  g.bs = DSV41_POOL(ps, t, block_size);
+  g.pb = DSV41_POOL(ps, t, page_bytes);
+  return g;
+}
+// Byte offsets of token `i` (its validity `valid`: position < length, i in [0, capacity)) in its pool:
+// its data (doff) and, fp8_ds_mla, its scale bytes (soff); untouched when masked.
+DEVFN void token_offsets(const PoolGeom& g, bool valid, int32_t i, int64_t& doff, int64_t& soff) {
+  if (valid) {
+    if (g.fp8) {  // 0 <= i < capacity < 2^31: a 32-bit division
+      const uint32_t blk = (uint32_t)i / (uint32_t)g.bs;
+      const uint32_t off = (uint32_t)i - blk * (uint32_t)g.bs;
+      doff = (int64_t)blk * g.pb + (int64_t)off * kFp8TokenData;
+      soff = (int64_t)blk * g.pb + (int64_t)g.bs * kFp8TokenData + (int64_t)off * kFp8TokenScale;
+    } else {
+      doff = (int64_t)i * (kHeadDim * 2);
+    }
+  }
+}
+
 // Warp-uniform in t.ok (ballot inside).
 template <int NB>
 DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB>& idx, const Share& sh, int lane) {
@@ -335,25 +373,13 @@ DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB
 #pragma unroll
   for (int b = 0; b < NB; ++b) a.doff[b] = a.soff[b] = 0;
   if (!t.ok) return a;
-  const bool fp8 = DSV41_POOL(ps, t, fmt) == kFmtFp8DsMla;
-  const int64_t cap = DSV41_POOL(ps, t, capacity);
-  const int32_t bs = DSV41_POOL(ps, t, block_size);
-  const int64_t pb = DSV41_POOL(ps, t, page_bytes);
+  const PoolGeom g = pool_geom(ps, t);
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
     const int pos = t.tok0 + sh.base + 8 * b + (lane >> 2);
     const int32_t i = idx.v[b];
-    const bool valid = pos < t.len && i >= 0 && (int64_t)i < cap;
-    if (valid) {
-      if (fp8) {  // 0 <= i < capacity < 2^31: a 32-bit division
-        const uint32_t blk = (uint32_t)i / (uint32_t)bs;
-        const uint32_t off = (uint32_t)i - blk * (uint32_t)bs;
-        a.doff[b] = (int64_t)blk * pb + (int64_t)off * kFp8TokenData;
-        a.soff[b] = (int64_t)blk * pb + (int64_t)bs * kFp8TokenData + (int64_t)off * kFp8TokenScale;
-      } else {
-        a.doff[b] = (int64_t)i * (kHeadDim * 2);
-      }
-    }
+    const bool valid = pos < t.len && i >= 0 && (int64_t)i < g.cap;
+    token_offsets(g, valid, i, a.doff[b], a.soff[b]);
     // bit 4j (+ q) of the ballot: token j (the 4 lanes of a token agree); fold bit 4j to bit j
     uint32_t m = ballot(valid) & 0x11111111u;
     m = (m | (m >> 3)) & 0x03030303u;
@@ -361,6 +387,50 @@ DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB
     m = (m | (m >> 12)) & 0xffu;
     a.vmask |= m << (8 * b);
   }
+  return a;
+}
+
+// Address ring (a pair's split decode; DSV41_EXP_NO_WG1_ADDR turns it off): warpgroup 1, idle while
+// warpgroup 0 computes S and the softmax, computes the gather addresses (index loads, the page division)
+// for the producers, which set the decode's tile period (benchmarks/decode_trace.py). A ring of kAddrSlots slots in the (then unused) k-split exchange region, one per
+// tile: the byte offsets of the CTA's 32 tokens (data, scales) and their validity bits. Warpgroup 1's
+// warp 4 writes the slot of tile tc + 3 while it consumes tile tc, before its release of tc; the
+// producers read the slot of tile tc + 1 after their EMPTY wait for tile tc - 1 (tc >= 2), which that
+// release orders (bar.arrive / bar.sync); tiles 0..2 come from a prologue, published through kBarAddr.
+// Reuse needs no barrier: the slot of tile tc + 3 held tile tc - 1, read by the producers in their
+// iteration tc - 2, before FULL of tile tc, which warpgroup 1 observed (through warpgroup 0) before
+// consuming tile tc.
+constexpr int kAddrSlots = 4, kAddrSlotBytes = 32 * 16 + 16, kAddrLead = 3;
+static_assert(kAddrSlots * kAddrSlotBytes <= 2 * 4 * 128 * 16, "address ring beyond the k-split region");
+DEVFN char* addr_slot(char* smem, int tc) { return smem + kSmemXS + (tc % kAddrSlots) * kAddrSlotBytes; }
+
+// Warp 4: lane l gathers token 32 rank + l of tile t; its index (-1 past the length).
+DEVFN int32_t half_index(const Pools& ps, const TileSrc& t, int rank, int lane) {
+  const int pos = t.tok0 + 32 * rank + lane;
+  return (t.ok && pos < t.len) ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
+                               : -1;
+}
+DEVFN void publish_half_addr(char* slot, const Pools& ps, const TileSrc& t, int32_t i, int rank, int lane) {
+  int64_t doff = 0, soff = 0;
+  bool valid = false;
+  if (t.ok) {
+    const PoolGeom g = pool_geom(ps, t);
+    valid = t.tok0 + 32 * rank + lane < t.len && i >= 0 && (int64_t)i < g.cap;
+    token_offsets(g, valid, i, doff, soff);
+  }
+  int64_t* d = reinterpret_cast<int64_t*>(slot);
+  d[lane] = doff;
+  d[32 + lane] = soff;
+  const uint32_t m = ballot(valid);
+  if (lane == 0) *reinterpret_cast<uint32_t*>(slot + 512) = m;
+}
+// Producer warp pw, lane l: token l / 4 of its 8 (NB = 1).
+DEVFN TileAddr<1> read_half_addr(const char* slot, int pw, int lane) {
+  const int64_t* d = reinterpret_cast<const int64_t*>(slot);
+  TileAddr<1> a;
+  a.doff[0] = d[8 * pw + (lane >> 2)];
+  a.soff[0] = d[32 + 8 * pw + (lane >> 2)];
+  a.vmask = (*reinterpret_cast<const uint32_t*>(slot + 512) >> (8 * pw)) & 0xffu;
   return a;
 }
 
@@ -569,10 +639,18 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   const Share sh = producer_share(crew, pw);
   constexpr bool pair = C::ncta == 2;
   constexpr int NB = pair ? 1 : 2;  // 8-token batches per warp and tile
+  constexpr bool gen = C::wg1_addr;
   TileSrc t0 = next();
   TileSrc t1 = next();
-  TileIdx<NB> i1 = tile_index<NB>(ps, t1, sh, lane);
-  TileAddr<NB> a0 = tile_addr<NB>(ps, t0, tile_index<NB>(ps, t0, sh, lane), sh, lane);
+  TileIdx<NB> i1;
+  TileAddr<NB> a0;
+  if constexpr (gen) {
+    bar_sync(kBarAddr, 256);  // warpgroup 1's prologue: tiles 0..kAddrLead - 1
+    a0 = read_half_addr(addr_slot(smem, 0), pw, lane);
+  } else {
+    i1 = tile_index<NB>(ps, t1, sh, lane);
+    a0 = tile_addr<NB>(ps, t0, tile_index<NB>(ps, t0, sh, lane), sh, lane);
+  }
   // Pairs load the first batch of tile tc at the end of iteration tc - 1, as soon as the registers
   // of tile tc - 1's batch are free: its latency overlaps the PFULL wait, the next tile's index and
   // address work and the wait for the buffer (decode 578 -> 534 us). One CTA (two batches per warp,
@@ -583,17 +661,14 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   constexpr bool kEarly = pair;
   BatchT<pair ? 9 : 16> first;
   if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
-#ifdef DSV41_EXP_LATE_LOOKAHEAD
-  constexpr bool kLate = pair;
-#else
-  constexpr bool kLate = false;
-#endif
   int tc = 0;
   for (; t0.ok; ++tc) {
     TileSrc t2;
     TileIdx<NB> i2;
     TileAddr<NB> a1;
-    if constexpr (!kLate) {
+    if constexpr (gen) {
+      t2 = next();
+    } else {
       if (pw == 0) DSV41_TRACE_P(tc, 8);
       t2 = next();
       i2 = tile_index<NB>(ps, t2, sh, lane);  // consumed one tile later
@@ -607,19 +682,15 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     if (pw == 0) DSV41_TRACE_P(tc, 1);
     if (tc >= 2) {  // tile tc - 2 released by this CTA's consumers (and the peer's)
       bar_sync(kBarEmpty0 + buf, kThreads);
-        if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
+      if (pair && DSV41_TEST_PLANT != 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);
     }
+    // (gen: published before the consumers' release of tile tc - 2, or by the prologue; read again after
+    // the fill, not held across it: the producers have no register to spare)
+    if constexpr (gen) tile_prefetch<NB>(ps, t1, read_half_addr(addr_slot(smem, tc + 1), pw, lane), lane);
     if (pw == 0) DSV41_TRACE_P(tc, 3);
     fill_tile<NB>(smem, crew, buf, ps, t0, a0, sh, lane, first, pw == 0 ? tc : -1);
     if (pw == 0) DSV41_TRACE_P(tc, 4);
-    if constexpr (kLate) {  // while the copies to the peer are in flight
-      if (pw == 0) DSV41_TRACE_P(tc, 8);
-      t2 = next();
-      i2 = tile_index<NB>(ps, t2, sh, lane);
-      if (pw == 0) DSV41_TRACE_P(tc, 9);
-      a1 = tile_addr<NB>(ps, t1, i1, sh, lane);
-      if (pw == 0) DSV41_TRACE_P(tc, 10);
-    }
+    if constexpr (gen) a1 = read_half_addr(addr_slot(smem, tc + 1), pw, lane);
     if (kEarly) load_batch(ps, t1, a1, 0, lane, first);  // the next tile's (nothing when !t1.ok)
     if constexpr (pair) {  // wait until the peer's half has landed in ours
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(smem + bar_pfull(buf)), kPeerBytesPerWarp);
@@ -643,7 +714,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
     t0 = t1;
     a0 = a1;
     t1 = t2;
-    i1 = i2;
+    if constexpr (!gen) i1 = i2;
   }
   // Drain: consume the consumers' EMPTY arrivals of the last two tiles so every named-barrier
   // phase completes before the CTA exits (the peer's PEMPTY arrivals need no drain).
@@ -1054,6 +1125,12 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
   // caller may release the buffer (release_tile).
 }
 
+// Work warpgroup 1 does while its PV of tile tc runs (a pair's split decode: the producers' addresses,
+// AddrGen); none elsewhere.
+struct NoSide {
+  DEVFN void operator()(int) const {}
+};
+
 #if DSV41_WGMMA
 // FlashMLA's consumer split (flashmla.md section 4). Warpgroup 0
 // computes S for the whole tile (m64n64k16: no row-max exchange, two thirds of the operand bytes of
@@ -1065,8 +1142,9 @@ DEVFN void consume_tile_mma_sync(char* smem, int buf, Acc& acc, float scale_log2
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. The default
 // for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
-template <bool kBf16>
-DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
+template <bool kBf16, class Side = NoSide>
+DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
+                              const Side& side = Side{}) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
@@ -1113,8 +1191,11 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
   alpha[0] = alpha_b[r0];
   alpha[1] = alpha_b[r0 + 8];
   rescale_o(acc, alpha);
-  pv_wgmma<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
-           wgmma_desc(ka + 4u * 8192u, 8192, 1024));
+  pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
+                 wgmma_desc(ka + 4u * 8192u, 8192, 1024));
+  side(tc);
+  wgmma_wait<0>();
+  reg_fence<128>(&acc.o[0][0]);
   DSV41_TRACE_C(w, tc, 6);
 }
 #endif
@@ -1148,11 +1229,12 @@ constexpr bool kPrefillBf16 = false;
 #endif
 
 // tc: the tile's index in the CTA's sequence (buffer tc & 1).
-template <class C>
-DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2, int w, int lane) {
+template <class C, class Side = NoSide>
+DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
+                        const Side& side = Side{}) {
 #if DSV41_WGMMA
   if constexpr (C::split) {
-    consume_tile_split<C::bf16>(smem, tc, acc, scale_log2, w, lane);
+    consume_tile_split<C::bf16>(smem, tc, acc, scale_log2, w, lane, side);
     return;
   }
 #endif
@@ -1165,13 +1247,14 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
 // Tiles tc0 .. tc0 + n - 1 of the CTA's sequence: wait, consume, release each. (Keeping a tile's PV
 // in flight across the wait for the next tile and its QK issue made the decode 6.5% slower: the
 // release of the tile comes later; RESULTS.md, eighth session.)
-template <class C>
-DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
+template <class C, class Side = NoSide>
+DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane,
+                         const Side& side = Side{}) {
   for (int tc = tc0; tc < tc0 + n; ++tc) {
     DSV41_TRACE_C(w, tc, 0);
     await_tile(crew, tc, w);
     DSV41_TRACE_C(w, tc, 1);
-    consume_tile(crew, smem, tc, acc, scale_log2, w, lane);
+    consume_tile(crew, smem, tc, acc, scale_log2, w, lane, side);
     release_tile(crew, tc, lane);
     DSV41_TRACE_C(w, tc, 7);
   }
@@ -1312,18 +1395,21 @@ DEVFN DecodeSeg decode_segment(const DecodeParams& p, const DecodeWork& wk, int 
   return sg;
 }
 
-template <class C>
-DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int s, int pw,
-                            int lane) {
-  // Cursor over the CTA's tiles in the consumers' order: requests begin_req..end_req, blocks
-  // [blk0, blk1) of each (empty segments give no tile).
-  int req = wk.begin_req, blk = 0;
-  DecodeSeg sg{0, 0, 0, 0, 0};
-  if (req <= wk.end_req) {
-    sg = decode_segment(p, wk, req);
-    blk = sg.blk0;
+// Cursor over a CTA's tiles in the consumers' order: requests begin_req..end_req, blocks [blk0, blk1) of
+// each (empty segments give no tile); next() returns ok = false past the end.
+struct TileCursor {
+  const DecodeParams& p;
+  DecodeWork wk;
+  int s, req, blk;
+  DecodeSeg sg;
+  DEVFN TileCursor(const DecodeParams& p_, const DecodeWork& wk_, int s_)
+      : p(p_), wk(wk_), s(s_), req(wk_.begin_req), blk(0), sg{0, 0, 0, 0, 0} {
+    if (req <= wk.end_req) {
+      sg = decode_segment(p, wk, req);
+      blk = sg.blk0;
+    }
   }
-  auto next = [&]() -> TileSrc {
+  DEVFN TileSrc next() {
     while (req <= wk.end_req && blk >= sg.blk1) {
       if (++req > wk.end_req) break;
       sg = decode_segment(p, wk, req);
@@ -1343,13 +1429,19 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
     }
     ++blk;
     return t;
-  };
-  produce_tiles(smem, crew, Pools{&p.main, &p.extra}, pw, lane, next);
-}
+  }
+};
 
 template <class C>
-DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
-                            int s, int w, int lane) {
+DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int s, int pw,
+                            int lane) {
+  TileCursor cur(p, wk, s);
+  produce_tiles(smem, crew, Pools{&p.main, &p.extra}, pw, lane, [&]() -> TileSrc { return cur.next(); });
+}
+
+template <class C, class Side>
+DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
+                                int s, int w, int lane, const Side& side) {
   Acc acc;
   int tc = 0;
   const int ct = thread_idx();
@@ -1360,7 +1452,7 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
     load_q(smem, p.q + head_row * kHeadDim, ct);
     acc_reset(acc);
-    consume_tiles(crew, smem, tc, sg.blk1 - sg.blk0, acc, p.scale_log2, w, lane);
+    consume_tiles(crew, smem, tc, sg.blk1 - sg.blk0, acc, p.scale_log2, w, lane, side);
     tc += sg.blk1 - sg.blk0;
     publish_row_stats(smem, acc, w, lane);
     const int first = ldg_nc_s32(p.num_splits + req);
@@ -1374,6 +1466,61 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
       write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
     }
   }
+}
+
+// Warp 4's walk over the CTA's tiles, kAddrLead ahead of the consumers, publishing each tile's addresses
+// into the ring ("address ring" above); its index loads one tile ahead of that.
+struct AddrGen {
+  TileCursor cur;
+  TileSrc ta;  // the next tile to publish and this lane's index of it
+  int32_t ia;
+  DEVFN AddrGen(const DecodeParams& p, const DecodeWork& wk, int s) : cur(p, wk, s), ta{0, 0, 0, false, false}, ia(-1) {}
+  DEVFN void prologue(char* smem, int rank, int lane) {  // tiles 0..kAddrLead - 1
+    const Pools ps{&cur.p.main, &cur.p.extra};
+    TileSrc t[kAddrLead];
+    int32_t i[kAddrLead];
+#pragma unroll
+    for (int k = 0; k < kAddrLead; ++k) {
+      t[k] = cur.next();
+      i[k] = half_index(ps, t[k], rank, lane);
+    }
+#pragma unroll
+    for (int k = 0; k < kAddrLead; ++k) publish_half_addr(addr_slot(smem, k), ps, t[k], i[k], rank, lane);
+    ta = cur.next();
+    ia = half_index(ps, ta, rank, lane);
+  }
+  DEVFN void step(char* smem, int tc, int rank, int lane) {  // while consuming tile tc
+    const Pools ps{&cur.p.main, &cur.p.extra};
+    publish_half_addr(addr_slot(smem, tc + kAddrLead), ps, ta, ia, rank, lane);
+    ta = cur.next();
+    ia = half_index(ps, ta, rank, lane);
+  }
+};
+
+// Warpgroup 1's side work (consume_tile_split): warp 4 steps the generator.
+struct Wg1Side {
+  mutable AddrGen gen;
+  char* smem;
+  int rank, lane;
+  bool on;
+  DEVFN void operator()(int tc) const {
+    if (on) gen.step(smem, tc, rank, lane);
+  }
+};
+
+template <class C>
+DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
+                            int s, int w, int lane) {
+  if constexpr (C::wg1_addr) {
+    if (w >= 4) {
+      Wg1Side side{AddrGen(p, wk, s), smem, crew.rank, lane, w == 4};
+      if (side.on) side.gen.prologue(smem, crew.rank, lane);
+      bar_arrive(kBarAddr, 256);
+      decode_consumer_loop(p, wk, smem, crew, group, s, w, lane, side);
+      return;
+    }
+  }
+  decode_consumer_loop(p, wk, smem, crew, group, s, w, lane, NoSide{});
 }
 
 // Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together;

@@ -361,6 +361,37 @@ def test_emulated_flipped_consumer_shapes(tmp_path):
     assert r.returncode == 0 and "SPLIT-OK" in out, out[-3000:]
 
 
+_WG1_ADDR_SCRIPT = '''
+import sys
+import cuda_ffi.emulate as E
+E.load(path=sys.argv[1])
+from tests.attention_cases import make_decode_case
+from tests.test_cuda_ffi import _decode_call, PAIR_CASES
+cases = [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
+cases += [(make_decode_case(53, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
+          (make_decode_case(54, b=5, s_q=2, h_q=128, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            invalid_frac=0.2), 6)]
+for i, (c, n) in enumerate(cases):
+    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=3 + i), f"producer-address decode {i}")
+print("WG1-ADDR-OK")
+'''
+
+
+def test_emulated_decode_producer_addresses(tmp_path):
+    # By default a pair's warpgroup 1 computes the producers' gather addresses into a ring of shared-memory
+    # slots (kernels.cuh AddrGen; the default emulator runs it in every pair case); DSV41_EXP_NO_WG1_ADDR
+    # gives that work back to the producers: pairs over several requests and splits, bf16 rows, masked and
+    # invalid tokens.
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_NO_WG1_ADDR",))
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _WG1_ADDR_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "WG1-ADDR-OK" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("kw,num_sms", [
     (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
     (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
