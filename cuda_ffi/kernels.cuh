@@ -1142,20 +1142,15 @@ struct NoSide {
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. The default
 // for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
-template <bool kBf16, class Side = NoSide>
-DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
-                              const Side& side = Side{}) {
-  const int buf = tc & 1, th = w >> 2, g = lane >> 2, t = lane & 3;
+// Warpgroup 0 of the split, after S of tile tc: mask, softmax, P (packed into pk) and alpha to shared
+// memory for warpgroup 1 (the P-ready barrier), O rescaled; its PV is the caller's.
+template <bool kBf16>
+DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc,
+                                 float scale_log2, int w, int lane) {
+  const int buf = tc & 1, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;
-  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
-  float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;  // [2][64]: no row-max exchange here
+  float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;
   float alpha[2] = {1.f, 1.f};
-  if (th == 0) {
-    const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
-    const uint64_t kd = wgmma_desc(ka, 16, 1024);
-    float s[8][4];
-    qk_wgmma<64, kBf16>(s, qd, kd);
-    DSV41_TRACE_C(w, tc, 2);
     // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
     const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
     const float ninf = -finf();
@@ -1170,7 +1165,6 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
       const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
       exp_row(s, hr, base, alpha[hr], acc);
     }
-    uint32_t pk[8][2];
     pack_p<8, kBf16>(s, pk);
     DSV41_TRACE_C(w, tc, 4);
     store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
@@ -1182,14 +1176,30 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     bar_arrive(kBarPReady0 + buf, kConsumerThreads);
     DSV41_TRACE_C(w, tc, 5);
     rescale_o(acc, alpha);
+}
+
+template <bool kBf16, class Side = NoSide>
+DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
+                              const Side& side = Side{}) {
+  const int buf = tc & 1, th = w >> 2, g = lane >> 2;
+  const int r0 = 16 * (w & 3) + g;
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
+  const float* alpha_b = reinterpret_cast<const float*>(smem + kSmemRowMax) + 64 * buf;  // warpgroup 0's alpha
+  if (th == 0) {
+    const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
+    const uint64_t kd = wgmma_desc(ka, 16, 1024);
+    float s[8][4];
+    qk_wgmma<64, kBf16>(s, qd, kd);
+    DSV41_TRACE_C(w, tc, 2);
+    uint32_t pk[8][2];
+    split_softmax_publish<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
     pv_wgmma_regp<kBf16>(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
     DSV41_TRACE_C(w, tc, 6);
     return;
   }
   bar_sync(kBarPReady0 + buf, kConsumerThreads);
   DSV41_TRACE_C(w, tc, 5);
-  alpha[0] = alpha_b[r0];
-  alpha[1] = alpha_b[r0 + 8];
+  const float alpha[2] = {alpha_b[r0], alpha_b[r0 + 8]};
   rescale_o(acc, alpha);
   pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
                  wgmma_desc(ka + 4u * 8192u, 8192, 1024));
@@ -1247,9 +1257,42 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
 // Tiles tc0 .. tc0 + n - 1 of the CTA's sequence: wait, consume, release each. (Keeping a tile's PV
 // in flight across the wait for the next tile and its QK issue made the decode 6.5% slower: the
 // release of the tile comes later; RESULTS.md, eighth session.)
+#if DSV41_WGMMA && defined(DSV41_EXP_WG0_PV_LATE)
+// Experiment (a pair's split decode): warpgroup 0's PV of tile tc stays in flight across the wait for tile
+// tc + 1 (one function, the wait_group unconditional at the top of each iteration, so ptxas keeps the
+// wgmma in flight); tile tc is released after that wait. Needs 208 registers (decode_cta).
+template <class C>
+DEVFN void wg0_tiles_pv_late(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
+  const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
+  for (int tc = tc0; tc < tc0 + n; ++tc) {
+    await_tile(crew, tc, w);
+    wgmma_wait<0>();
+    reg_fence<128>(&acc.o[0][0]);
+    if (tc > tc0) release_tile(crew, tc - 1, lane);
+    const uint32_t ka = smem_addr(smem + kSmemK + (tc & 1) * kTileBytes);
+    float s[8][4];
+    qk_wgmma<64, C::bf16>(s, qd, wgmma_desc(ka, 16, 1024));
+    uint32_t pk[8][2];
+    split_softmax_publish<C::bf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
+    pv_issue_regp<C::bf16>(acc, pk, wgmma_desc(ka, 8192, 1024));
+  }
+  wgmma_wait<0>();
+  reg_fence<128>(&acc.o[0][0]);
+  if (n > 0) release_tile(crew, tc0 + n - 1, lane);
+}
+#endif
+
 template <class C, class Side = NoSide>
 DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane,
                          const Side& side = Side{}) {
+#if DSV41_WGMMA && defined(DSV41_EXP_WG0_PV_LATE)
+  if constexpr (C::split && C::ncta == 2) {
+    if (w < 4) {
+      wg0_tiles_pv_late(crew, smem, tc0, n, acc, scale_log2, w, lane);
+      return;
+    }
+  }
+#endif
   for (int tc = tc0; tc < tc0 + n; ++tc) {
     DSV41_TRACE_C(w, tc, 0);
     await_tile(crew, tc, w);
@@ -1539,10 +1582,23 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<crew.producer_regs>();
     decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
+  }
+#if DSV41_WGMMA && defined(DSV41_EXP_WG0_PV_LATE)
+  // (the experiment's warpgroup 0 needs 208 registers to keep a PV in flight without ptxas serialising
+  // every wgmma, C7512; warpgroup 1 gets 192)
+  else if (crew.ncta == 2 && crew.split && w < 4) {
+    setmaxnreg_inc<crew.consumer_regs + (crew.ncta == 2 && crew.split ? 8 : 0)>();
+    decode_consumers(p, wk, smem, crew, group, s, w, lane);
   } else {
+    setmaxnreg_inc<crew.consumer_regs - (crew.ncta == 2 && crew.split ? 8 : 0)>();
+    decode_consumers(p, wk, smem, crew, group, s, w, lane);
+  }
+#else
+  else {
     setmaxnreg_inc<crew.consumer_regs>();
     decode_consumers(p, wk, smem, crew, group, s, w, lane);
   }
+#endif
   crew_teardown(crew);
 }
 
