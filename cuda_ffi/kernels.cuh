@@ -1266,7 +1266,7 @@ DEVFN void wg0_tiles_pv_late(const C& crew, char* smem, int tc0, int n, Acc& acc
   const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
   for (int tc = tc0; tc < tc0 + n; ++tc) {
     await_tile(crew, tc, w);
-    wgmma_wait<0>();
+    wgmma_wait<0>();  // the PV of tile tc - 1 (nothing in flight at tc0)
     reg_fence<128>(&acc.o[0][0]);
     if (tc > tc0) release_tile(crew, tc - 1, lane);
     const uint32_t ka = smem_addr(smem + kSmemK + (tc & 1) * kTileBytes);

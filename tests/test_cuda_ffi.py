@@ -381,10 +381,11 @@ def test_emulated_decode_producer_addresses(tmp_path):
     # By default a pair's warpgroup 1 computes the producers' gather addresses into a ring of shared-memory
     # slots (kernels.cuh AddrGen; the default emulator runs it in every pair case); DSV41_EXP_NO_WG1_ADDR
     # gives that work back to the producers: pairs over several requests and splits, bf16 rows, masked and
-    # invalid tokens.
+    # invalid tokens. The same build runs the DSV41_EXP_WG0_PV_LATE experiment (warpgroup 0's PV in flight
+    # across the wait for the next tile; the emulator fails a wgmma whose operands change in flight).
     if cbuild.find_cxx() is None:
         pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_NO_WG1_ADDR",))
+    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_NO_WG1_ADDR", "DSV41_EXP_WG0_PV_LATE"))
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", _WG1_ADDR_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
                        timeout=600)
