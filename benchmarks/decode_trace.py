@@ -58,6 +58,17 @@ def _d(a, b):
     return ((b.astype(np.int64) - a.astype(np.int64)) % (1 << 32)).astype(np.float64)
 
 
+def _steady(tr, slot: int):
+    """(cta, n, steady slice) for each CTA whose warp in `slot` stamped at least 12 tiles (n counted from its
+    FULL-wait stamps); the slice leaves out the first and last 4 tiles."""
+    import numpy as np
+
+    for cta in range(tr.shape[0]):
+        n = int(np.count_nonzero(tr[cta, slot, :, 1]))
+        if n >= 12:
+            yield cta, n, slice(4, n - 4)
+
+
 def summarize(tr, has_p: bool) -> dict:
     """tr: u32 [ctas][3 slots][tiles][12 events]. Medians over CTAs and steady-state tiles."""
     import numpy as np
@@ -68,12 +79,8 @@ def summarize(tr, has_p: bool) -> dict:
         steps = C_STEPS_SPLIT[name] if split else C_STEPS
         rows = {k: [] for k, _, _ in steps}
         rows["period"], rows["loop"] = [], []
-        for cta in range(tr.shape[0]):
+        for cta, n, sl in _steady(tr, slot):
             c = tr[cta, slot]
-            n = int(np.count_nonzero(c[:, 1]))
-            if n < 12:
-                continue
-            sl = slice(4, n - 4)
             for k, a, b in steps:
                 rows[k].append(_d(c[sl, a], c[sl, b]))
             rows["period"].append(_d(c[4:n - 5, 0], c[5:n - 4, 0]))
@@ -82,12 +89,8 @@ def summarize(tr, has_p: bool) -> dict:
     if has_p:
         rows = {k: [] for k, _, _ in P_STEPS}
         rows["loop"], rows["full_to_wake"], rows["release_to_refill"] = [], [], []
-        for cta in range(tr.shape[0]):
+        for cta, n, sl in _steady(tr, 1):
             p, c = tr[cta, 0], tr[cta, 1]
-            n = int(np.count_nonzero(c[:, 1]))
-            if n < 12:
-                continue
-            sl = slice(4, n - 4)
             for k, a, b in P_STEPS:
                 rows[k].append(_d(p[sl, a], p[sl, b]))
             rows["loop"].append(_d(p[4:n - 5, 5], p[5:n - 4, 8]))

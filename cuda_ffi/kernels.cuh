@@ -323,16 +323,17 @@ struct TileIdx {
 // yet), the addresses of tile tc+1 are computed from the indices loaded one tile earlier and its
 // rows are prefetched into L2, then tile tc is gathered (its rows prefetched one tile earlier).
 // So the index load and the HBM latency of a tile overlap the previous tile's gather.
+// Index of the token at position tok0 + off of tile t (-1 past the length or for no tile).
+DEVFN int32_t token_index(const Pools& ps, const TileSrc& t, int off) {
+  const int pos = t.tok0 + off;
+  return (t.ok && pos < t.len) ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
+                               : -1;
+}
 template <int NB>
 DEVFN TileIdx<NB> tile_index(const Pools& ps, const TileSrc& t, const Share& sh, int lane) {
   TileIdx<NB> r;
 #pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    const int pos = t.tok0 + sh.base + 8 * b + (lane >> 2);
-    r.v[b] = (t.ok && pos < t.len)
-                 ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
-                 : -1;
-  }
+  for (int b = 0; b < NB; ++b) r.v[b] = token_index(ps, t, sh.base + 8 * b + (lane >> 2));
   return r;
 }
 
@@ -406,9 +407,7 @@ DEVFN char* addr_slot(char* smem, int tc) { return smem + kSmemXS + (tc % kAddrS
 
 // Warp 4: lane l gathers token 32 rank + l of tile t; its index (-1 past the length).
 DEVFN int32_t half_index(const Pools& ps, const TileSrc& t, int rank, int lane) {
-  const int pos = t.tok0 + 32 * rank + lane;
-  return (t.ok && pos < t.len) ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
-                               : -1;
+  return token_index(ps, t, 32 * rank + lane);
 }
 DEVFN void publish_half_addr(char* slot, const Pools& ps, const TileSrc& t, int32_t i, int rank, int lane) {
   int64_t doff = 0, soff = 0;
@@ -1151,31 +1150,31 @@ DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t 
   const int r0 = 16 * (w & 3) + g;
   float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;
   float alpha[2] = {1.f, 1.f};
-    // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
-    const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
-    const float ninf = -finf();
+  // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
+  const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
+  const float ninf = -finf();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t bits = vw[j] >> (2 * t);
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t bits = vw[j] >> (2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
-    }
+    for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
+  }
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
-      exp_row(s, hr, base, alpha[hr], acc);
-    }
-    pack_p<8, kBf16>(s, pk);
-    DSV41_TRACE_C(w, tc, 4);
-    store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
-    if (t == 0) {
-      alpha_b[r0] = alpha[0];
-      alpha_b[r0 + 8] = alpha[1];
-    }
-    fence_proxy_async();
-    bar_arrive(kBarPReady0 + buf, kConsumerThreads);
-    DSV41_TRACE_C(w, tc, 5);
-    rescale_o(acc, alpha);
+  for (int hr = 0; hr < 2; ++hr) {
+    const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
+    exp_row(s, hr, base, alpha[hr], acc);
+  }
+  pack_p<8, kBf16>(s, pk);
+  DSV41_TRACE_C(w, tc, 4);
+  store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
+  if (t == 0) {
+    alpha_b[r0] = alpha[0];
+    alpha_b[r0 + 8] = alpha[1];
+  }
+  fence_proxy_async();
+  bar_arrive(kBarPReady0 + buf, kConsumerThreads);
+  DSV41_TRACE_C(w, tc, 5);
+  rescale_o(acc, alpha);
 }
 
 template <bool kBf16, class Side = NoSide>
@@ -1258,6 +1257,7 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
 // in flight across the wait for the next tile and its QK issue made the decode 6.5% slower: the
 // release of the tile comes later; RESULTS.md, eighth session.)
 #if DSV41_WGMMA && defined(DSV41_EXP_WG0_PV_LATE)
+constexpr bool kWg0PvLate = true;
 // Experiment (a pair's split decode): warpgroup 0's PV of tile tc stays in flight across the wait for tile
 // tc + 1 (one function, the wait_group unconditional at the top of each iteration, so ptxas keeps the
 // wgmma in flight); tile tc is released after that wait. Needs 208 registers (decode_cta).
@@ -1280,6 +1280,8 @@ DEVFN void wg0_tiles_pv_late(const C& crew, char* smem, int tc0, int n, Acc& acc
   reg_fence<128>(&acc.o[0][0]);
   if (n > 0) release_tile(crew, tc0 + n - 1, lane);
 }
+#else
+constexpr bool kWg0PvLate = false;
 #endif
 
 template <class C, class Side = NoSide>
@@ -1579,26 +1581,24 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   const int part = (int)(rest / p.s_q);
   const DecodeWork wk = decode_work(p, part);
   const int w = warp_idx(), lane = lane_idx();
+  constexpr int kPvLateShift = kWg0PvLate && crew.ncta == 2 && crew.split ? 8 : 0;
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<crew.producer_regs>();
     decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
-  }
-#if DSV41_WGMMA && defined(DSV41_EXP_WG0_PV_LATE)
-  // (the experiment's warpgroup 0 needs 208 registers to keep a PV in flight without ptxas serialising
-  // every wgmma, C7512; warpgroup 1 gets 192)
-  else if (crew.ncta == 2 && crew.split && w < 4) {
-    setmaxnreg_inc<crew.consumer_regs + (crew.ncta == 2 && crew.split ? 8 : 0)>();
-    decode_consumers(p, wk, smem, crew, group, s, w, lane);
+  } else if constexpr (kPvLateShift != 0) {
+    // (the DSV41_EXP_WG0_PV_LATE experiment: warpgroup 0 of a pair needs 208 registers to keep a PV in flight
+    // without ptxas serialising every wgmma, C7512; warpgroup 1 gets 192)
+    if (w < 4) {
+      setmaxnreg_inc<crew.consumer_regs + kPvLateShift>();
+      decode_consumers(p, wk, smem, crew, group, s, w, lane);
+    } else {
+      setmaxnreg_inc<crew.consumer_regs - kPvLateShift>();
+      decode_consumers(p, wk, smem, crew, group, s, w, lane);
+    }
   } else {
-    setmaxnreg_inc<crew.consumer_regs - (crew.ncta == 2 && crew.split ? 8 : 0)>();
-    decode_consumers(p, wk, smem, crew, group, s, w, lane);
-  }
-#else
-  else {
     setmaxnreg_inc<crew.consumer_regs>();
     decode_consumers(p, wk, smem, crew, group, s, w, lane);
   }
-#endif
   crew_teardown(crew);
 }
 
