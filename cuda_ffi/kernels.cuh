@@ -319,16 +319,17 @@ struct TileIdx {
   int32_t v[NB];
 };
 
-// Producers run a 3-stage look-ahead per tile tc: the indices of tile tc+2 are loaded (no use
-// yet), the addresses of tile tc+1 are computed from the indices loaded one tile earlier and its
-// rows are prefetched into L2, then tile tc is gathered (its rows prefetched one tile earlier).
-// So the index load and the HBM latency of a tile overlap the previous tile's gather.
 // Index of the token at position tok0 + off of tile t (-1 past the length or for no tile).
 DEVFN int32_t token_index(const Pools& ps, const TileSrc& t, int off) {
   const int pos = t.tok0 + off;
   return (t.ok && pos < t.len) ? ldg_nc_s32(DSV41_POOL(ps, t, indices) + t.row * (int64_t)DSV41_POOL(ps, t, topk) + pos)
                                : -1;
 }
+
+// Producers run a 3-stage look-ahead per tile tc: the indices of tile tc+2 are loaded (no use
+// yet), the addresses of tile tc+1 are computed from the indices loaded one tile earlier and its
+// rows are prefetched into L2, then tile tc is gathered (its rows prefetched one tile earlier).
+// So the index load and the HBM latency of a tile overlap the previous tile's gather.
 template <int NB>
 DEVFN TileIdx<NB> tile_index(const Pools& ps, const TileSrc& t, const Share& sh, int lane) {
   TileIdx<NB> r;
@@ -393,16 +394,16 @@ DEVFN TileAddr<NB> tile_addr(const Pools& ps, const TileSrc& t, const TileIdx<NB
 
 // Address ring (a pair's split decode; DSV41_EXP_NO_WG1_ADDR turns it off): warpgroup 1, idle while
 // warpgroup 0 computes S and the softmax, computes the gather addresses (index loads, the page division)
-// for the producers, which set the decode's tile period (benchmarks/decode_trace.py). A ring of kAddrSlots slots in the (then unused) k-split exchange region, one per
-// tile: the byte offsets of the CTA's 32 tokens (data, scales) and their validity bits. Warpgroup 1's
-// warp 4 writes the slot of tile tc + 3 while it consumes tile tc, before its release of tc; the
-// producers read the slot of tile tc + 1 after their EMPTY wait for tile tc - 1 (tc >= 2), which that
-// release orders (bar.arrive / bar.sync); tiles 0..2 come from a prologue, published through kBarAddr.
-// Reuse needs no barrier: the slot of tile tc + 3 held tile tc - 1, read by the producers in their
-// iteration tc - 2, before FULL of tile tc, which warpgroup 1 observed (through warpgroup 0) before
-// consuming tile tc.
+// for the producers, which set the decode's tile period (benchmarks/decode_trace.py). A ring of
+// kAddrSlots slots in the (then unused) k-split exchange region, one per tile: the byte offsets of the
+// CTA's 32 tokens (data, scales) and their validity bits. Warpgroup 1's warp 4 writes the slot of tile
+// tc + 3 while it consumes tile tc, before its release of tc; the producers read that slot in their
+// iteration tc + 2, after their EMPTY wait for tile tc, which that release orders (bar.arrive /
+// bar.sync); tiles 0..2 come from a prologue, published through kBarAddr. Reuse needs no barrier: the
+// slot of tile tc + 3 held tile tc - 1, read by the producers in their iteration tc - 2, before FULL of
+// tile tc, which warpgroup 1 observed (through warpgroup 0) before consuming tile tc.
 constexpr int kAddrSlots = 4, kAddrSlotBytes = 32 * 16 + 16, kAddrLead = 3;
-static_assert(kAddrSlots * kAddrSlotBytes <= 2 * 4 * 128 * 16, "address ring beyond the k-split region");
+static_assert(kAddrSlots * kAddrSlotBytes <= kSmemBytes - kSmemXS, "address ring beyond the k-split region");
 DEVFN char* addr_slot(char* smem, int tc) { return smem + kSmemXS + (tc % kAddrSlots) * kAddrSlotBytes; }
 
 // Warp 4: lane l gathers token 32 rank + l of tile t; its index (-1 past the length).

@@ -29,7 +29,7 @@ constexpr int kPairProducerRegs = 104;  // 104 + 2 x 200 = 504
 constexpr int kPairConsumerRegs = 200;
 #else  // experiments (the trace build): producers DSV41_EXP_PAIR_REGS_P, consumers what is left
 constexpr int kPairProducerRegs = DSV41_EXP_PAIR_REGS_P;
-constexpr int kPairConsumerRegs = ((3 * 168 - DSV41_EXP_PAIR_REGS_P) / 2) & ~7;
+constexpr int kPairConsumerRegs = ((3 * kLaunchRegs - DSV41_EXP_PAIR_REGS_P) / 2) & ~7;
 #endif
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
 constexpr int kSplitConsumerRegs = 192;
