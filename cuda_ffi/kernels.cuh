@@ -1266,13 +1266,20 @@ template <class C>
 DEVFN void wg0_tiles_pv_late(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
   const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
   for (int tc = tc0; tc < tc0 + n; ++tc) {
+    DSV41_TRACE_C(w, tc, 0);
     await_tile(crew, tc, w);
+    DSV41_TRACE_C(w, tc, 1);
     wgmma_wait<0>();  // the PV of tile tc - 1 (nothing in flight at tc0)
     reg_fence<128>(&acc.o[0][0]);
-    if (tc > tc0) release_tile(crew, tc - 1, lane);
+    if (tc > tc0) {
+      DSV41_TRACE_C(w, tc - 1, 6);
+      release_tile(crew, tc - 1, lane);
+      DSV41_TRACE_C(w, tc - 1, 7);
+    }
     const uint32_t ka = smem_addr(smem + kSmemK + (tc & 1) * kTileBytes);
     float s[8][4];
     qk_wgmma<64, C::bf16>(s, qd, wgmma_desc(ka, 16, 1024));
+    DSV41_TRACE_C(w, tc, 2);
     uint32_t pk[8][2];
     split_softmax_publish<C::bf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
     pv_issue_regp<C::bf16>(acc, pk, wgmma_desc(ka, 8192, 1024));
