@@ -526,8 +526,10 @@ DEVFN uint32_t scale_byte(const BatchT<NV>& bt, int i) { return ((i < 4 ? bt.sc.
 
 // The 16 f16 chunks of this lane's quarter of an fp8_ds_mla token (row offsets e0 / e1 of its even /
 // odd chunks in column block 0): block i < 7 from e4m3 chunk i, block 7 the RoPE.
-template <bool kFast, int NV>
-DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int e0, int e1, const BatchT<NV>& bt) {
+// after(i): called once block i is stored (a pair's progressive copies to the peer).
+template <bool kFast, int NV, class After>
+DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int e0, int e1, const BatchT<NV>& bt,
+                          const After& after) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     uint4 first, second;
@@ -539,8 +541,21 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
     }
     store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e0, first);
     store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e1, second);
+    after(i);
   }
 }
+// Experiment (DSV41_EXP_COPY_BLOCKS=k, k in {1, 2, 4}; default 8): a pair's producer warp sends its rows to the
+// peer k column blocks at a time, as soon as they are stored, so the copies (rate-bound, ~20 B per cycle and SM)
+// overlap the dequantisation of the later blocks instead of following all of it.
+#ifdef DSV41_EXP_COPY_BLOCKS
+constexpr int kCopyBlocks = DSV41_EXP_COPY_BLOCKS;
+#else
+constexpr int kCopyBlocks = 8;
+#endif
+static_assert(kCopyBlocks == 1 || kCopyBlocks == 2 || kCopyBlocks == 4 || kCopyBlocks == 8, "DSV41_EXP_COPY_BLOCKS");
+struct NoAfter {
+  DEVFN void operator()(int) const {}
+};
 
 // Dequantise / convert loaded batch b (rows sh.base + 8b ..) and store it with its mask word; bf16
 // batches of one half (NV = 9): `half` 0 stores the first 8 chunks and returns (`last` false), the
@@ -560,16 +575,37 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
   const uint32_t rbar = peer + (uint32_t)bar_pfull(buf);
   if (lane == 0 && last) store_valid_word(smem, C::ncta == 2, peer, rbar, buf, (sh.base + 8 * b) >> 3, vmask >> (8 * b));
   const int row = sh.base + 8 * b + (lane >> 2), q = lane & 3, r7 = row & 7;
+  // progressive copies (kCopyBlocks < 8): fp8 rows of a pair's last part only
+  constexpr bool prog = C::ncta == 2 && kPairBulk && kCopyBlocks < 8;
+  const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
   if (!C::bf16 && fp8) {  // warp-uniform (bf16-operand crews: prefill, bf16 rows only)
     const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
     // One warp-uniform test of all seven scale bytes instead of a (possibly divergent) branch per chunk.
     bool fast = true;
 #pragma unroll
     for (int i = 0; i < 7; ++i) fast &= dequant_fast_ok(scale_byte(bt, i));
+    if constexpr (prog) {
+      const auto after = [&](int i) {
+        if ((i + 1) % kCopyBlocks != 0) return;
+        fence_proxy_async_always();
+        syncwarp();
+        if (lane == 0) {
+#pragma unroll
+          for (int j = i + 1 - kCopyBlocks; j <= i; ++j)
+            bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
+        }
+      };
+      if (ballot(fast) == 0xffffffffu) {
+        store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt, after);
+      } else {
+        store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt, after);
+      }
+      return;  // (last: fp8 batches are whole)
+    }
     if (ballot(fast) == 0xffffffffu) {
-      store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt);
+      store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt, NoAfter{});
     } else {
-      store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt);
+      store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt, NoAfter{});
     }
   } else {
 #pragma unroll
@@ -586,7 +622,6 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
     fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
     syncwarp();
     if (tr >= 0) DSV41_TRACE_P(tr, 2);
-    const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
 #ifdef DSV41_EXP_ONE_COPY  // timing only (wrong rows in the peer): one 8 KB copy per warp instead of eight 1 KB
     if (lane == 0) bulk_copy_to_peer(rbuf + o, smem_addr(kbuf) + o, 8192u, rbar);
 #else
