@@ -1213,9 +1213,20 @@ DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t 
   rescale_o(acc, alpha);
 }
 
+// Experiment (DSV41_EXP_WG1_DEFER, a pair's split decode): warpgroup 1 issues its PV of tile tc only after
+// warpgroup 0's S of tile tc + 1 has completed (barrier kBarSDone), so it runs during warpgroup 0's softmax, when
+// the tensor cores are otherwise idle, instead of sharing them (and shared-memory bandwidth) with warpgroup 0's PV
+// of tile tc and S of tile tc + 1. Costs a later release of each tile. `defer`: warpgroup 0 arrives after its S
+// (a tile that is not its segment's first), warpgroup 1 waits (a tile that is not its segment's last).
+#ifdef DSV41_EXP_WG1_DEFER
+constexpr bool kWg1Defer = true;
+#else
+constexpr bool kWg1Defer = false;
+#endif
+enum : int { kBarSDone = 11 };
 template <bool kBf16, class Side = NoSide>
 DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
-                              const Side& side = Side{}) {
+                              const Side& side = Side{}, bool defer = false) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2;
   const int r0 = 16 * (w & 3) + g;
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
@@ -1226,6 +1237,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     float s[8][4];
     qk_wgmma<64, kBf16>(s, qd, kd);
     DSV41_TRACE_C(w, tc, 2);
+    if (kWg1Defer && defer) bar_arrive(kBarSDone, kConsumerThreads);
     uint32_t pk[8][2];
     split_softmax_publish<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
     pv_wgmma_regp<kBf16>(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
@@ -1236,6 +1248,7 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
   DSV41_TRACE_C(w, tc, 5);
   const float alpha[2] = {alpha_b[r0], alpha_b[r0 + 8]};
   rescale_o(acc, alpha);
+  if (kWg1Defer && defer) bar_sync(kBarSDone, kConsumerThreads);
   pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
                  wgmma_desc(ka + 4u * 8192u, 8192, 1024));
   side(tc);
@@ -1276,10 +1289,10 @@ constexpr bool kPrefillBf16 = false;
 // tc: the tile's index in the CTA's sequence (buffer tc & 1).
 template <class C, class Side = NoSide>
 DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
-                        const Side& side = Side{}) {
+                        const Side& side = Side{}, bool defer = false) {
 #if DSV41_WGMMA
   if constexpr (C::split) {
-    consume_tile_split<C::bf16>(smem, tc, acc, scale_log2, w, lane, side);
+    consume_tile_split<C::bf16>(smem, tc, acc, scale_log2, w, lane, side, C::ncta == 2 && defer);
     return;
   }
 #endif
@@ -1342,7 +1355,7 @@ DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, fl
     DSV41_TRACE_C(w, tc, 0);
     await_tile(crew, tc, w);
     DSV41_TRACE_C(w, tc, 1);
-    consume_tile(crew, smem, tc, acc, scale_log2, w, lane, side);
+    consume_tile(crew, smem, tc, acc, scale_log2, w, lane, side, w < 4 ? tc > tc0 : tc + 1 < tc0 + n);
     release_tile(crew, tc, lane);
     DSV41_TRACE_C(w, tc, 7);
   }
