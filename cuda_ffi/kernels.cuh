@@ -958,6 +958,60 @@ DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
   reg_fence<N / 2>(&s[0][0]);
 }
 
+// Experiment (DSV41_EXP_Q_REGS=K, K in {4, 8}; a pair's split decode): warpgroup 0 keeps the A fragments of
+// Q's first K k-steps (dims 0..16K-1) in registers for its segment, so S reads 2 KB less shared memory per
+// such k-step (the m64n64k16 SS wgmma reads 4 KB per 32 tensor cycles: the shared-memory rate; the producers'
+// stores and copies share it). Costs 4K registers in warpgroup 0, taken from warpgroup 1.
+#if defined(DSV41_EXP_Q_REGS) && DSV41_WGMMA
+constexpr int kQRegSteps = DSV41_EXP_Q_REGS;
+static_assert(kQRegSteps == 4 || kQRegSteps == 8, "DSV41_EXP_Q_REGS");
+#else
+constexpr int kQRegSteps = 0;
+#endif
+template <int K>
+struct QRegs {
+  uint32_t a[K][4];
+  // rows 16 (w & 3) .. + 15 of Q (shared memory, written and fenced by load_q), k-steps 0..K-1
+  DEVFN void load(const char* smem, int w, int lane) {
+    const int i = lane >> 3, row = 16 * (w & 3) + (lane & 7) + 8 * (i & 1);
+#pragma unroll
+    for (int ks = 0; ks < K; ++ks) {
+      const int c = 2 * (ks & 3) + (i >> 1);
+      ldsm_x4(a[ks], smem + kSmemQ + (ks >> 2) * 8192 + row * 128 + ((c ^ (row & 7)) << 4));
+    }
+  }
+};
+template <>
+struct QRegs<0> {
+  DEVFN void load(const char*, int, int) {}
+};
+template <int K, bool kBf16>
+DEVFN void qk_wgmma_qregs(float (&s)[8][4], const QRegs<K>& q, uint64_t qd, uint64_t kd) {
+  if constexpr (K == 0) {
+    qk_wgmma<64, kBf16>(s, qd, kd);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+    reg_fence<32>(&s[0][0]);
+    wgmma_fence();
+#ifndef DSV41_EXP_NO_MMA
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t koff = kstep_off(ks);
+      if (ks < K)
+        wgmma_m64n64k16_rs<kBf16>(&s[0][0], q.a[ks < K ? ks : 0], wgmma_desc_add(kd, koff));
+      else
+        wgmma_m64n64k16<kBf16>(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
+    }
+#endif
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence<32>(&s[0][0]);
+  }
+}
+
 // O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
 // memory through descriptors pd / vd); O already rescaled. pv_issue commits the group and returns
 // (the caller waits: seesaw.cuh); pv_wgmma returns with O updated.
@@ -1179,9 +1233,16 @@ struct NoSide {
 // for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
 // Warpgroup 0 of the split, after S of tile tc: mask, softmax, P (packed into pk) and alpha to shared
 // memory for warpgroup 1 (the P-ready barrier), O rescaled; its PV is the caller's.
+// Experiment (DSV41_EXP_VALID_EARLY): warpgroup 0 loads the tile's mask words before its S (vpre) instead of
+// after the S's wait.
+#ifdef DSV41_EXP_VALID_EARLY
+constexpr bool kValidEarly = true;
+#else
+constexpr bool kValidEarly = false;
+#endif
 template <bool kBf16>
 DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc,
-                                 float scale_log2, int w, int lane) {
+                                 float scale_log2, int w, int lane, const uint32_t* vpre = nullptr) {
   const int buf = tc & 1, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;
   float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;
@@ -1191,7 +1252,7 @@ DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t 
   const float ninf = -finf();
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const uint32_t bits = vw[j] >> (2 * t);
+    const uint32_t bits = (kValidEarly ? vpre[j] : vw[j]) >> (2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
   }
@@ -1224,9 +1285,9 @@ constexpr bool kWg1Defer = true;
 constexpr bool kWg1Defer = false;
 #endif
 enum : int { kBarSDone = 11 };
-template <bool kBf16, class Side = NoSide>
+template <bool kBf16, class Side = NoSide, int QK = 0>
 DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
-                              const Side& side = Side{}, bool defer = false) {
+                              const Side& side = Side{}, bool defer = false, const QRegs<QK>& qr = QRegs<QK>{}) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2;
   const int r0 = 16 * (w & 3) + g;
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
@@ -1235,11 +1296,18 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
     const uint64_t kd = wgmma_desc(ka, 16, 1024);
     float s[8][4];
-    qk_wgmma<64, kBf16>(s, qd, kd);
+    uint32_t vpre[8];
+    if constexpr (kValidEarly) {
+      const uint4* v4 = reinterpret_cast<const uint4*>(smem + kSmemValid) + 2 * buf;
+      const uint4 a = v4[0], b = v4[1];
+      vpre[0] = a.x; vpre[1] = a.y; vpre[2] = a.z; vpre[3] = a.w;
+      vpre[4] = b.x; vpre[5] = b.y; vpre[6] = b.z; vpre[7] = b.w;
+    }
+    qk_wgmma_qregs<QK, kBf16>(s, qr, qd, kd);
     DSV41_TRACE_C(w, tc, 2);
     if (kWg1Defer && defer) bar_arrive(kBarSDone, kConsumerThreads);
     uint32_t pk[8][2];
-    split_softmax_publish<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
+    split_softmax_publish<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane, vpre);
     pv_wgmma_regp<kBf16>(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
     DSV41_TRACE_C(w, tc, 6);
     return;
@@ -1287,12 +1355,12 @@ constexpr bool kPrefillBf16 = false;
 #endif
 
 // tc: the tile's index in the CTA's sequence (buffer tc & 1).
-template <class C, class Side = NoSide>
+template <class C, class Side = NoSide, int QK = 0>
 DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
-                        const Side& side = Side{}, bool defer = false) {
+                        const Side& side = Side{}, bool defer = false, const QRegs<QK>& qr = QRegs<QK>{}) {
 #if DSV41_WGMMA
   if constexpr (C::split) {
-    consume_tile_split<C::bf16>(smem, tc, acc, scale_log2, w, lane, side, C::ncta == 2 && defer);
+    consume_tile_split<C::bf16, Side, QK>(smem, tc, acc, scale_log2, w, lane, side, C::ncta == 2 && defer, qr);
     return;
   }
 #endif
@@ -1351,6 +1419,21 @@ DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, fl
     }
   }
 #endif
+  if constexpr (kQRegSteps > 0 && C::split && C::ncta == 2) {
+    if (w < 4) {  // warpgroup 0 (S from Q's first k-steps in registers)
+      QRegs<kQRegSteps> qr;
+      qr.load(smem, w, lane);
+      for (int tc = tc0; tc < tc0 + n; ++tc) {
+        DSV41_TRACE_C(w, tc, 0);
+        await_tile(crew, tc, w);
+        DSV41_TRACE_C(w, tc, 1);
+        consume_tile(crew, smem, tc, acc, scale_log2, w, lane, side, tc > tc0, qr);
+        release_tile(crew, tc, lane);
+        DSV41_TRACE_C(w, tc, 7);
+      }
+      return;
+    }
+  }
   for (int tc = tc0; tc < tc0 + n; ++tc) {
     DSV41_TRACE_C(w, tc, 0);
     await_tile(crew, tc, w);
@@ -1637,18 +1720,21 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   const int part = (int)(rest / p.s_q);
   const DecodeWork wk = decode_work(p, part);
   const int w = warp_idx(), lane = lane_idx();
-  constexpr int kPvLateShift = kWg0PvLate && crew.ncta == 2 && crew.split ? 8 : 0;
+  // experiments: warpgroup 0 of a pair needs 208 registers to keep a PV in flight without ptxas serialising
+  // every wgmma (DSV41_EXP_WG0_PV_LATE, C7512; warpgroup 1 gets 192), 200 + 4K to hold Q's first K k-steps
+  // (DSV41_EXP_Q_REGS; warpgroup 1 gets the rest of the 512: 208 - 4K)
+  constexpr bool kShift = crew.ncta == 2 && crew.split && (kWg0PvLate || kQRegSteps > 0);
+  constexpr int kWg0Regs = kWg0PvLate ? crew.consumer_regs + 8 : crew.consumer_regs + 4 * kQRegSteps;
+  constexpr int kWg1Regs = kWg0PvLate ? crew.consumer_regs - 8 : 512 - crew.producer_regs - kWg0Regs;
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<crew.producer_regs>();
     decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
-  } else if constexpr (kPvLateShift != 0) {
-    // (the DSV41_EXP_WG0_PV_LATE experiment: warpgroup 0 of a pair needs 208 registers to keep a PV in flight
-    // without ptxas serialising every wgmma, C7512; warpgroup 1 gets 192)
+  } else if constexpr (kShift) {
     if (w < 4) {
-      setmaxnreg_inc<crew.consumer_regs + kPvLateShift>();
+      setmaxnreg_inc<kWg0Regs>();
       decode_consumers(p, wk, smem, crew, group, s, w, lane);
     } else {
-      setmaxnreg_inc<crew.consumer_regs - kPvLateShift>();
+      setmaxnreg_inc<kWg1Regs>();
       decode_consumers(p, wk, smem, crew, group, s, w, lane);
     }
   } else {
