@@ -544,13 +544,14 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
     after(i);
   }
 }
-// Experiment (DSV41_EXP_COPY_BLOCKS=k, k in {1, 2, 4}; default 8): a pair's producer warp sends its rows to the
-// peer k column blocks at a time, as soon as they are stored, so the copies (rate-bound, ~20 B per cycle and SM)
-// overlap the dequantisation of the later blocks instead of following all of it.
+// Progressive copies: a pair's producer warp sends its fp8 rows to the peer one column block (1 KB) at a time,
+// as soon as the block is stored, so the copies (rate-bound, ~20 B per cycle and SM) overlap the dequantisation
+// of the later blocks instead of following all of it (decode 348.5 -> 344.7 us; RESULTS.md, fourteenth session;
+// 2 and 4 blocks at a time measured between). DSV41_EXP_COPY_BLOCKS=k (2, 4, 8: all after the rows) for ablations.
 #ifdef DSV41_EXP_COPY_BLOCKS
 constexpr int kCopyBlocks = DSV41_EXP_COPY_BLOCKS;
 #else
-constexpr int kCopyBlocks = 8;
+constexpr int kCopyBlocks = 1;
 #endif
 static_assert(kCopyBlocks == 1 || kCopyBlocks == 2 || kCopyBlocks == 4 || kCopyBlocks == 8, "DSV41_EXP_COPY_BLOCKS");
 struct NoAfter {
@@ -585,15 +586,18 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
 #pragma unroll
     for (int i = 0; i < 7; ++i) fast &= dequant_fast_ok(scale_byte(bt, i));
     if constexpr (prog) {
-      const auto after = [&](int i) {
+      const auto after = [&](int i) {  // (trace events of the last block as the copies after all rows)
         if ((i + 1) % kCopyBlocks != 0) return;
-        fence_proxy_async_always();
+        if (i == 7 && tr >= 0) DSV41_TRACE_P(tr, 0);
+        fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
         syncwarp();
+        if (i == 7 && tr >= 0) DSV41_TRACE_P(tr, 2);
         if (lane == 0) {
 #pragma unroll
           for (int j = i + 1 - kCopyBlocks; j <= i; ++j)
             bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
         }
+        if (i == 7 && tr >= 0) DSV41_TRACE_P(tr, 7);
       };
       if (ballot(fast) == 0xffffffffu) {
         store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt, after);
@@ -958,60 +962,6 @@ DEVFN void qk_wgmma(float (&s)[N / 8][4], uint64_t qd, uint64_t kd) {
   reg_fence<N / 2>(&s[0][0]);
 }
 
-// Experiment (DSV41_EXP_Q_REGS=K, K in {4, 8}; a pair's split decode): warpgroup 0 keeps the A fragments of
-// Q's first K k-steps (dims 0..16K-1) in registers for its segment, so S reads 2 KB less shared memory per
-// such k-step (the m64n64k16 SS wgmma reads 4 KB per 32 tensor cycles: the shared-memory rate; the producers'
-// stores and copies share it). Costs 4K registers in warpgroup 0, taken from warpgroup 1.
-#if defined(DSV41_EXP_Q_REGS) && DSV41_WGMMA
-constexpr int kQRegSteps = DSV41_EXP_Q_REGS;
-static_assert(kQRegSteps == 4 || kQRegSteps == 8, "DSV41_EXP_Q_REGS");
-#else
-constexpr int kQRegSteps = 0;
-#endif
-template <int K>
-struct QRegs {
-  uint32_t a[K][4];
-  // rows 16 (w & 3) .. + 15 of Q (shared memory, written and fenced by load_q), k-steps 0..K-1
-  DEVFN void load(const char* smem, int w, int lane) {
-    const int i = lane >> 3, row = 16 * (w & 3) + (lane & 7) + 8 * (i & 1);
-#pragma unroll
-    for (int ks = 0; ks < K; ++ks) {
-      const int c = 2 * (ks & 3) + (i >> 1);
-      ldsm_x4(a[ks], smem + kSmemQ + (ks >> 2) * 8192 + row * 128 + ((c ^ (row & 7)) << 4));
-    }
-  }
-};
-template <>
-struct QRegs<0> {
-  DEVFN void load(const char*, int, int) {}
-};
-template <int K, bool kBf16>
-DEVFN void qk_wgmma_qregs(float (&s)[8][4], const QRegs<K>& q, uint64_t qd, uint64_t kd) {
-  if constexpr (K == 0) {
-    qk_wgmma<64, kBf16>(s, qd, kd);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-    reg_fence<32>(&s[0][0]);
-    wgmma_fence();
-#ifndef DSV41_EXP_NO_MMA
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t koff = kstep_off(ks);
-      if (ks < K)
-        wgmma_m64n64k16_rs<kBf16>(&s[0][0], q.a[ks < K ? ks : 0], wgmma_desc_add(kd, koff));
-      else
-        wgmma_m64n64k16<kBf16>(&s[0][0], wgmma_desc_add(qd, koff), wgmma_desc_add(kd, koff));
-    }
-#endif
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence<32>(&s[0][0]);
-  }
-}
-
 // O[:, 256th..256th+255] += P V over the tile's 64 tokens (m64n256k16 x 4; P and V from shared
 // memory through descriptors pd / vd); O already rescaled. pv_issue commits the group and returns
 // (the caller waits: seesaw.cuh); pv_wgmma returns with O updated.
@@ -1233,16 +1183,9 @@ struct NoSide {
 // for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
 // Warpgroup 0 of the split, after S of tile tc: mask, softmax, P (packed into pk) and alpha to shared
 // memory for warpgroup 1 (the P-ready barrier), O rescaled; its PV is the caller's.
-// Experiment (DSV41_EXP_VALID_EARLY): warpgroup 0 loads the tile's mask words before its S (vpre) instead of
-// after the S's wait.
-#ifdef DSV41_EXP_VALID_EARLY
-constexpr bool kValidEarly = true;
-#else
-constexpr bool kValidEarly = false;
-#endif
 template <bool kBf16>
 DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc,
-                                 float scale_log2, int w, int lane, const uint32_t* vpre = nullptr) {
+                                 float scale_log2, int w, int lane) {
   const int buf = tc & 1, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * (w & 3) + g;
   float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;
@@ -1252,7 +1195,7 @@ DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t 
   const float ninf = -finf();
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const uint32_t bits = (kValidEarly ? vpre[j] : vw[j]) >> (2 * t);
+    const uint32_t bits = vw[j] >> (2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
   }
@@ -1274,20 +1217,9 @@ DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t 
   rescale_o(acc, alpha);
 }
 
-// Experiment (DSV41_EXP_WG1_DEFER, a pair's split decode): warpgroup 1 issues its PV of tile tc only after
-// warpgroup 0's S of tile tc + 1 has completed (barrier kBarSDone), so it runs during warpgroup 0's softmax, when
-// the tensor cores are otherwise idle, instead of sharing them (and shared-memory bandwidth) with warpgroup 0's PV
-// of tile tc and S of tile tc + 1. Costs a later release of each tile. `defer`: warpgroup 0 arrives after its S
-// (a tile that is not its segment's first), warpgroup 1 waits (a tile that is not its segment's last).
-#ifdef DSV41_EXP_WG1_DEFER
-constexpr bool kWg1Defer = true;
-#else
-constexpr bool kWg1Defer = false;
-#endif
-enum : int { kBarSDone = 11 };
-template <bool kBf16, class Side = NoSide, int QK = 0>
+template <bool kBf16, class Side = NoSide>
 DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
-                              const Side& side = Side{}, bool defer = false, const QRegs<QK>& qr = QRegs<QK>{}) {
+                              const Side& side = Side{}) {
   const int buf = tc & 1, th = w >> 2, g = lane >> 2;
   const int r0 = 16 * (w & 3) + g;
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
@@ -1296,18 +1228,10 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
     const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
     const uint64_t kd = wgmma_desc(ka, 16, 1024);
     float s[8][4];
-    uint32_t vpre[8];
-    if constexpr (kValidEarly) {
-      const uint4* v4 = reinterpret_cast<const uint4*>(smem + kSmemValid) + 2 * buf;
-      const uint4 a = v4[0], b = v4[1];
-      vpre[0] = a.x; vpre[1] = a.y; vpre[2] = a.z; vpre[3] = a.w;
-      vpre[4] = b.x; vpre[5] = b.y; vpre[6] = b.z; vpre[7] = b.w;
-    }
-    qk_wgmma_qregs<QK, kBf16>(s, qr, qd, kd);
+    qk_wgmma<64, kBf16>(s, qd, kd);
     DSV41_TRACE_C(w, tc, 2);
-    if (kWg1Defer && defer) bar_arrive(kBarSDone, kConsumerThreads);
     uint32_t pk[8][2];
-    split_softmax_publish<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane, vpre);
+    split_softmax_publish<kBf16>(smem, tc, s, pk, acc, scale_log2, w, lane);
     pv_wgmma_regp<kBf16>(acc, pk, wgmma_desc(ka, 8192, 1024));  // its own P from registers
     DSV41_TRACE_C(w, tc, 6);
     return;
@@ -1316,7 +1240,6 @@ DEVFN void consume_tile_split(char* smem, int tc, Acc& acc, float scale_log2, in
   DSV41_TRACE_C(w, tc, 5);
   const float alpha[2] = {alpha_b[r0], alpha_b[r0 + 8]};
   rescale_o(acc, alpha);
-  if (kWg1Defer && defer) bar_sync(kBarSDone, kConsumerThreads);
   pv_issue<kBf16>(acc, wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024),
                  wgmma_desc(ka + 4u * 8192u, 8192, 1024));
   side(tc);
@@ -1355,12 +1278,12 @@ constexpr bool kPrefillBf16 = false;
 #endif
 
 // tc: the tile's index in the CTA's sequence (buffer tc & 1).
-template <class C, class Side = NoSide, int QK = 0>
+template <class C, class Side = NoSide>
 DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2, int w, int lane,
-                        const Side& side = Side{}, bool defer = false, const QRegs<QK>& qr = QRegs<QK>{}) {
+                        const Side& side = Side{}) {
 #if DSV41_WGMMA
   if constexpr (C::split) {
-    consume_tile_split<C::bf16, Side, QK>(smem, tc, acc, scale_log2, w, lane, side, C::ncta == 2 && defer, qr);
+    consume_tile_split<C::bf16>(smem, tc, acc, scale_log2, w, lane, side);
     return;
   }
 #endif
@@ -1419,26 +1342,11 @@ DEVFN void consume_tiles(const C& crew, char* smem, int tc0, int n, Acc& acc, fl
     }
   }
 #endif
-  if constexpr (kQRegSteps > 0 && C::split && C::ncta == 2) {
-    if (w < 4) {  // warpgroup 0 (S from Q's first k-steps in registers)
-      QRegs<kQRegSteps> qr;
-      qr.load(smem, w, lane);
-      for (int tc = tc0; tc < tc0 + n; ++tc) {
-        DSV41_TRACE_C(w, tc, 0);
-        await_tile(crew, tc, w);
-        DSV41_TRACE_C(w, tc, 1);
-        consume_tile(crew, smem, tc, acc, scale_log2, w, lane, side, tc > tc0, qr);
-        release_tile(crew, tc, lane);
-        DSV41_TRACE_C(w, tc, 7);
-      }
-      return;
-    }
-  }
   for (int tc = tc0; tc < tc0 + n; ++tc) {
     DSV41_TRACE_C(w, tc, 0);
     await_tile(crew, tc, w);
     DSV41_TRACE_C(w, tc, 1);
-    consume_tile(crew, smem, tc, acc, scale_log2, w, lane, side, w < 4 ? tc > tc0 : tc + 1 < tc0 + n);
+    consume_tile(crew, smem, tc, acc, scale_log2, w, lane, side);
     release_tile(crew, tc, lane);
     DSV41_TRACE_C(w, tc, 7);
   }
@@ -1720,21 +1628,20 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   const int part = (int)(rest / p.s_q);
   const DecodeWork wk = decode_work(p, part);
   const int w = warp_idx(), lane = lane_idx();
-  // experiments: warpgroup 0 of a pair needs 208 registers to keep a PV in flight without ptxas serialising
-  // every wgmma (DSV41_EXP_WG0_PV_LATE, C7512; warpgroup 1 gets 192), 200 + 4K to hold Q's first K k-steps
-  // (DSV41_EXP_Q_REGS; warpgroup 1 gets the rest of the 512: 208 - 4K)
-  constexpr bool kShift = crew.ncta == 2 && crew.split && (kWg0PvLate || kQRegSteps > 0);
-  constexpr int kWg0Regs = kWg0PvLate ? crew.consumer_regs + 8 : crew.consumer_regs + 4 * kQRegSteps;
-  constexpr int kWg1Regs = kWg0PvLate ? crew.consumer_regs - 8 : 512 - crew.producer_regs - kWg0Regs;
+  // (the DSV41_EXP_WG0_PV_LATE experiment: warpgroup 0 of a pair needs 208 registers to keep a PV in flight
+  // without ptxas serialising every wgmma, C7512; warpgroup 1 gets 192. The three warpgroups' budgets must fit
+  // the 3 x kLaunchRegs the CTA was launched with: setmaxnreg.inc beyond that pool blocks for ever.)
+  constexpr int kPvLateShift = kWg0PvLate && crew.ncta == 2 && crew.split ? 8 : 0;
+  static_assert(crew.producer_regs + 2 * crew.consumer_regs <= 3 * kLaunchRegs, "setmaxnreg beyond the launch's registers");
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<crew.producer_regs>();
     decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
-  } else if constexpr (kShift) {
+  } else if constexpr (kPvLateShift != 0) {
     if (w < 4) {
-      setmaxnreg_inc<kWg0Regs>();
+      setmaxnreg_inc<crew.consumer_regs + kPvLateShift>();
       decode_consumers(p, wk, smem, crew, group, s, w, lane);
     } else {
-      setmaxnreg_inc<kWg1Regs>();
+      setmaxnreg_inc<crew.consumer_regs - kPvLateShift>();
       decode_consumers(p, wk, smem, crew, group, s, w, lane);
     }
   } else {

@@ -637,19 +637,6 @@ DEVFN void wgmma_m64n64k16(float* d, uint64_t da, uint64_t db) {
   else DSV41_WGMMA_M64N64K16("f16");
 }
 #undef DSV41_WGMMA_M64N64K16
-// The same with A from registers (wgmma_m64n256k16_rs_tb's layout below).
-#define DSV41_WGMMA_M64N64K16_RS(TY) \
-  asm volatile( \
-    "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
-    "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n" \
-    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
-template <bool kBf16 = false>
-DEVFN void wgmma_m64n64k16_rs(float* d, const uint32_t (&a)[4], uint64_t db) {
-  if constexpr (kBf16) DSV41_WGMMA_M64N64K16_RS("bf16");
-  else DSV41_WGMMA_M64N64K16_RS("f16");
-}
-#undef DSV41_WGMMA_M64N64K16_RS
 // d[128] += A[64x16] (K-major) * B[16x256] (MN-major: transpose bit set)
 #define DSV41_WGMMA_M64N256K16_TB(TY) \
   asm volatile( \
@@ -691,8 +678,6 @@ template <bool kBf16 = false>
 DEVFN void wgmma_m64n32k16(float*, uint64_t, uint64_t) { __trap(); }
 template <bool kBf16 = false>
 DEVFN void wgmma_m64n64k16(float*, uint64_t, uint64_t) { __trap(); }
-template <bool kBf16 = false>
-DEVFN void wgmma_m64n64k16_rs(float*, const uint32_t (&)[4], uint64_t) { __trap(); }
 template <bool kBf16 = false>
 DEVFN void wgmma_m64n256k16_tb(float*, uint64_t, uint64_t) { __trap(); }
 template <bool kBf16 = false>
@@ -826,10 +811,6 @@ template <bool kBf16 = false>
 inline void wgmma_m64n32k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 32, da, db, false, kBf16); }
 template <bool kBf16 = false>
 inline void wgmma_m64n64k16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 64, da, db, false, kBf16); }
-template <bool kBf16 = false>
-inline void wgmma_m64n64k16_rs(float* d, const uint32_t (&a)[4], uint64_t db) {
-  wgemu::run(d, 64, 0, db, false, kBf16, a);
-}
 template <bool kBf16 = false>
 inline void wgmma_m64n256k16_tb(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 256, da, db, true, kBf16); }
 template <bool kBf16 = false>
