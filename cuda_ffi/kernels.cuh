@@ -227,7 +227,14 @@ constexpr bool kPairBulk = true;
 constexpr int kPairTokensPerWarp = kTileTokens / 2 / kProducerWarps;
 static_assert(kPairTokensPerWarp == 8, "fill_tile sends one 8-token batch (one mask word) per warp and tile");
 static_assert(kTileTokens / kProducerWarps == 16, "one CTA's producer warp gathers two 8-token batches per tile");
-constexpr uint32_t kPeerBytesPerWarp = kPairTokensPerWarp * kHeadDim * 2 + 4;
+// Timing-only experiment DSV41_EXP_PEER_BLOCKS=k (0..8; wrong results): a pair sends only column blocks 0..k-1
+// of its rows to the peer (how much of the decode's time the shared-memory traffic between the CTAs sets).
+#ifdef DSV41_EXP_PEER_BLOCKS
+constexpr int kPeerBlocks = DSV41_EXP_PEER_BLOCKS;
+#else
+constexpr int kPeerBlocks = 8;
+#endif
+constexpr uint32_t kPeerBytesPerWarp = kPairTokensPerWarp * kHeadDim * 2 / 8 * kPeerBlocks + 4;
 
 // One arrival of the calling warp on the peer's mbarrier at `bar_off`, after the warp's earlier
 // shared-memory accesses (the __syncwarp orders the lanes' accesses before lane 0's release).
@@ -595,7 +602,7 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
         if (lane == 0) {
 #pragma unroll
           for (int j = i + 1 - kCopyBlocks; j <= i; ++j)
-            bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
+            if (j < kPeerBlocks) bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
         }
         if (i == 7 && tr >= 0) DSV41_TRACE_P(tr, 7);
       };
