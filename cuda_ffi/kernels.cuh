@@ -1307,7 +1307,8 @@ DEVFN void consume_tile(const C&, char* smem, int tc, Acc& acc, float scale_log2
 constexpr bool kWg0PvLate = true;
 // Experiment (a pair's split decode): warpgroup 0's PV of tile tc stays in flight across the wait for tile
 // tc + 1 (one function, the wait_group unconditional at the top of each iteration, so ptxas keeps the
-// wgmma in flight); tile tc is released after that wait. Needs 208 registers (decode_cta).
+// wgmma in flight); tile tc is released after that wait. Needs 208 registers (decode_cta). Measured slower
+// (354.8 vs 347.1 us; RESULTS.md, fourteenth session): the later release delays the producers' refill.
 template <class C>
 DEVFN void wg0_tiles_pv_late(const C& crew, char* smem, int tc0, int n, Acc& acc, float scale_log2, int w, int lane) {
   const uint64_t qd = wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024);
