@@ -533,10 +533,11 @@ DEVFN uint32_t scale_byte(const BatchT<NV>& bt, int i) { return ((i < 4 ? bt.sc.
 
 // The 16 f16 chunks of this lane's quarter of an fp8_ds_mla token (row offsets e0 / e1 of its even /
 // odd chunks in column block 0): block i < 7 from e4m3 chunk i, block 7 the RoPE.
-// after(i): called once block i is stored (a pair's progressive copies to the peer).
-template <bool kFast, int NV, class After>
+// hook(i, stored): called for block i once converted (stored = false) and once stored (true): a pair's
+// progressive copies to the peer.
+template <bool kFast, int NV, class Hook>
 DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar, int e0, int e1, const BatchT<NV>& bt,
-                          const After& after) {
+                          const Hook& hook) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     uint4 first, second;
@@ -546,9 +547,10 @@ DEVFN void store_fp8_rows(char* kbuf, bool remote, uint32_t rbuf, uint32_t rbar,
       first = bf16x8_to_f16x8(bt.v[7]);
       second = bf16x8_to_f16x8(bt.v[8]);
     }
+    hook(i, false);
     store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e0, first);
     store_chunk(kbuf, remote, rbuf, rbar, i * 8192 + e1, second);
-    after(i);
+    hook(i, true);
   }
 }
 // Progressive copies: a pair's producer warp sends its fp8 rows to the peer one column block (1 KB) at a time,
@@ -561,8 +563,17 @@ constexpr int kCopyBlocks = DSV41_EXP_COPY_BLOCKS;
 constexpr int kCopyBlocks = 1;
 #endif
 static_assert(kCopyBlocks == 1 || kCopyBlocks == 2 || kCopyBlocks == 4 || kCopyBlocks == 8, "DSV41_EXP_COPY_BLOCKS");
-struct NoAfter {
-  DEVFN void operator()(int) const {}
+// Experiment (DSV41_EXP_COPY_LAG, with one block at a time): block i - 1's fence and copy come after block i is
+// converted and before it is stored, so the fence (MEMBAR.ALL.CTA in SASS: it waits for all of the thread's earlier
+// memory operations) does not wait for the stores it does not need to order.
+#ifdef DSV41_EXP_COPY_LAG
+constexpr bool kCopyLag = true;
+static_assert(kCopyBlocks == 1, "DSV41_EXP_COPY_LAG sends one block at a time");
+#else
+constexpr bool kCopyLag = false;
+#endif
+struct NoHook {
+  DEVFN void operator()(int, bool) const {}
 };
 
 // Dequantise / convert loaded batch b (rows sh.base + 8b ..) and store it with its mask word; bf16
@@ -593,30 +604,33 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
 #pragma unroll
     for (int i = 0; i < 7; ++i) fast &= dequant_fast_ok(scale_byte(bt, i));
     if constexpr (prog) {
-      const auto after = [&](int i) {  // (trace events of the last block as the copies after all rows)
-        if ((i + 1) % kCopyBlocks != 0) return;
-        if (i == 7 && tr >= 0) DSV41_TRACE_P(tr, 0);
+      const auto hook = [&](int i, bool stored) {  // (trace events of the last block as the copies after all rows)
+        int last;  // the last block this call sends (blocks last + 1 - kCopyBlocks .. last), or none
+        if (kCopyLag) last = stored ? (i == 7 ? 7 : -1) : i - 1;
+        else last = stored && (i + 1) % kCopyBlocks == 0 ? i : -1;
+        if (last < 0) return;
+        if (last == 7 && tr >= 0) DSV41_TRACE_P(tr, 0);
         fence_proxy_async_always();  // this lane's stores -> the async proxy that reads the copy's source
         syncwarp();
-        if (i == 7 && tr >= 0) DSV41_TRACE_P(tr, 2);
+        if (last == 7 && tr >= 0) DSV41_TRACE_P(tr, 2);
         if (lane == 0) {
 #pragma unroll
-          for (int j = i + 1 - kCopyBlocks; j <= i; ++j)
+          for (int j = last + 1 - kCopyBlocks; j <= last; ++j)
             if (j < kPeerBlocks) bulk_copy_to_peer(rbuf + o + 8192u * j, smem_addr(kbuf) + o + 8192u * j, 1024u, rbar);
         }
-        if (i == 7 && tr >= 0) DSV41_TRACE_P(tr, 7);
+        if (last == 7 && tr >= 0) DSV41_TRACE_P(tr, 7);
       };
       if (ballot(fast) == 0xffffffffu) {
-        store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt, after);
+        store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt, hook);
       } else {
-        store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt, after);
+        store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt, hook);
       }
       return;  // (last: fp8 batches are whole)
     }
     if (ballot(fast) == 0xffffffffu) {
-      store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt, NoAfter{});
+      store_fp8_rows<true>(kbuf, remote, rbuf, rbar, e0, e1, bt, NoHook{});
     } else {
-      store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt, NoAfter{});
+      store_fp8_rows<false>(kbuf, remote, rbuf, rbar, e0, e1, bt, NoHook{});
     }
   } else {
 #pragma unroll
