@@ -66,7 +66,7 @@ struct alignas(8) uint2 { uint32_t x, y; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 
-enum : int { kTagSyncwarp = 1, kTagShfl, kTagBallot, kTagLdsm, kTagLdsmT, kTagMma, kTagWgmma };
+enum : int { kTagSyncwarp = 1, kTagShfl, kTagBallot, kTagLdsm, kTagLdsmT, kTagMma, kTagWgmma, kTagStsm };
 
 struct Cta;
 struct Cluster;

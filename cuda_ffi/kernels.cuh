@@ -1204,6 +1204,31 @@ struct NoSide {
 // for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
 // Warpgroup 0 of the split, after S of tile tc: mask, softmax, P (packed into pk) and alpha to shared
 // memory for warpgroup 1 (the P-ready barrier), O rescaled; its PV is the caller's.
+// Experiments for warpgroup 0's softmax (ready, not measured): DSV41_EXP_STSM_P stores P with 4 stmatrix.x4
+// instead of 16 4-byte stores; DSV41_EXP_FUSED_SCALE masks the raw scores and folds the scale into the
+// exponent's FFMA, 2^(s * scale - base) (one multiply less per score; for positive scales only, the
+// maximum of the raw scores then being that of the scaled ones; others take the default path).
+#ifdef DSV41_EXP_STSM_P
+constexpr bool kStsmP = true;
+#else
+constexpr bool kStsmP = false;
+#endif
+#ifdef DSV41_EXP_FUSED_SCALE
+constexpr bool kFusedScale = true;
+#else
+constexpr bool kFusedScale = false;
+#endif
+// store_p's 64 x 64 tile by stmatrix: matrix m of column block pair (j, j + 1) is column block j + (m >> 1),
+// rows 8 (m & 1) .. + 7 of the warp's 16; lane l addresses row l & 7 of matrix l >> 3.
+DEVFN void store_p_stsm(char* smem, int buf, const uint32_t (&pk)[8][2], int w, int lane) {
+  const int m = lane >> 3, row = 16 * (w & 3) + 8 * (m & 1) + (lane & 7);
+  char* ps = smem + kSmemP + buf * kSmemPBytes;
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    const uint32_t r[4] = {pk[j][0], pk[j][1], pk[j + 1][0], pk[j + 1][1]};
+    stsm_x4(ps + swz128(row, j + (m >> 1)), r);
+  }
+}
 template <bool kBf16>
 DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc,
                                  float scale_log2, int w, int lane) {
@@ -1214,20 +1239,43 @@ DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t 
   // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
   const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
   const float ninf = -finf();
+  if (kFusedScale && scale_log2 > 0.f) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t bits = vw[j] >> (2 * t);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t bits = vw[j] >> (2 * t);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
-  }
+      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] : ninf;
+    }
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
-    exp_row(s, hr, base, alpha[hr], acc);
+    for (int hr = 0; hr < 2; ++hr) {
+      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr) * scale_log2, alpha[hr]);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+          s[j][e] = fexp2(fmaf(s[j][e], scale_log2, -base));
+          sum += s[j][e];
+        }
+      acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t bits = vw[j] >> (2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
+      exp_row(s, hr, base, alpha[hr], acc);
+    }
   }
   pack_p<8, kBf16>(s, pk);
   DSV41_TRACE_C(w, tc, 4);
-  store_p(smem, buf, pk, 0, w, lane);  // for warpgroup 1
+  if constexpr (kStsmP) store_p_stsm(smem, buf, pk, w, lane);  // for warpgroup 1
+  else store_p(smem, buf, pk, 0, w, lane);
   if (t == 0) {
     alpha_b[r0] = alpha[0];
     alpha_b[r0 + 8] = alpha[1];

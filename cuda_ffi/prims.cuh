@@ -452,6 +452,26 @@ DEVFN void ldsm_x4(uint32_t r[4], const void* row_addr) {
   });
 #endif
 }
+// stmatrix.sync.aligned.m8n8.x4.shared.b16, ldsm_x4's inverse: lanes 8i..8i+7 give the row addresses of
+// 8x8 b16 matrix i, and lane l's r[i] holds {M_i[l/4][2(l%4)], M_i[l/4][2(l%4)+1]}.
+DEVFN void stsm_x4(void* row_addr, const uint32_t (&r)[4]) {
+#if DSV41_DEVICE
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};" ::"r"(smem_addr(row_addr)), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  struct In { void* a; uint32_t r[4]; } in{row_addr, {r[0], r[1], r[2], r[3]}};
+  const int lane = lane_idx();
+  emu::warp_collective(emu::kTagStsm, &in, sizeof in, [&](auto& d) {
+    const int i = lane >> 3, rr = lane & 7;  // this lane's address: row rr of matrix i
+    for (int c = 0; c < 4; ++c) {
+      In x;
+      std::memcpy(&x, d[4 * rr + c], sizeof x);
+      std::memcpy(static_cast<unsigned char*>(in.a) + 4 * c, &x.r[i], 4);
+    }
+  });
+#endif
+}
 // .trans variant: lane l receives r[i] = {M_i[2(l%4)][l/4], M_i[2(l%4)+1][l/4]}.
 DEVFN void ldsm_x4_trans(uint32_t r[4], const void* row_addr) {
 #if DSV41_DEVICE
