@@ -824,18 +824,19 @@ DEVFN void acc_reset(Acc& a) {
 
 // Q rows of one (query token, 64-head group): 64 x 512 bf16 from global, as f16 (kBf16: as loaded)
 // into the swizzled tile layout. Called by all 256 consumer threads; ends with the consumer barrier.
-template <bool kBf16 = false>
+// kRound: loads in flight per thread (16: one latency instead of two, for callers with the registers free).
+template <bool kBf16 = false, int kRound = 8>
 DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
 #pragma unroll
-  for (int i0 = 0; i0 < 16; i0 += 8) {
-    uint4 v[8];
+  for (int i0 = 0; i0 < 16; i0 += kRound) {
+    uint4 v[kRound];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < kRound; ++i) {
       const int c = ct + kConsumerThreads * (i0 + i);
       v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < kRound; ++i) {
       const int c = ct + kConsumerThreads * (i0 + i);
       *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = kBf16 ? v[i] : bf16x8_to_f16x8(v[i]);
     }
@@ -1493,6 +1494,42 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
     }
 }
 
+// write_final through shared memory (wgmma layout; the Q region, free once every S of the segment is done):
+// each thread's bf16 pairs go to a [64][1024 B] staging tile (16-byte chunk c of row r at c ^ (r & 7): no bank
+// conflicts), then the 256 consumers store it with coalesced 16-byte writes (the direct 4-byte stores leave each
+// 32-byte sector half used). lse and max_logits (when kMaxl) as write_final. kBarAfter: a barrier after the
+// copy-out, so that the caller may overwrite the Q region (the next segment's load_q).
+template <bool kMaxl, bool kBarAfter>
+DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
+                              float* maxl0, const float* sink0) {
+  const int g = lane >> 2, t = lane & 3;
+  char* stage = smem + kSmemQ;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = o_row(w, 0, g) + 8 * hr;
+    const FinalRow fr = final_row(smem, r, sink0);
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      const int c = 32 * (w >> 2) + n;  // dims 8c..8c+7
+      *reinterpret_cast<uint32_t*>(stage + r * 1024 + ((c ^ (r & 7)) << 4) + 4 * t) =
+          pack_bf16x2(acc.o[n][2 * hr] * fr.factor, acc.o[n][2 * hr + 1] * fr.factor);
+    }
+    if ((w >> 2) == 0 && t == 0) {
+      lse0[r] = fr.lse_nat;
+      if constexpr (kMaxl) maxl0[r] = fr.maxl;
+    }
+  }
+  bar_sync(kBarConsumers, kConsumerThreads);
+  const int ct = thread_idx();
+#pragma unroll 4
+  for (int i = 0; i < 16; ++i) {
+    const int k = ct + kConsumerThreads * i, r = k >> 6, c = k & 63;
+    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =
+        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));
+  }
+  if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
+}
+
 // Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty).
 DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float* arow0, float* alse0) {
   const int g = lane >> 2, t = lane & 3;
@@ -1601,6 +1638,16 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
   produce_tiles(smem, crew, Pools{&p.main, &p.extra}, pw, lane, [&]() -> TileSrc { return cur.next(); });
 }
 
+// Experiment (DSV41_EXP_STAGED_EPI, wgmma builds; ready, not measured): a decode CTA's segment boundary
+// (~16000 cycles per boundary in the trace at 9b430d7, against a ~4000-cycle tile) with fewer serial
+// latencies: the split counts loaded before the row statistics' barrier, the output staged in the Q region and
+// stored with coalesced 16-byte writes (write_final_staged), Q loaded with all 16 loads in flight, and the next
+// request's Q prefetched into L2 when a segment starts.
+#if defined(DSV41_EXP_STAGED_EPI) && DSV41_WGMMA
+constexpr bool kStagedEpi = true;
+#else
+constexpr bool kStagedEpi = false;
+#endif
 template <class C, class Side>
 DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
                                 int s, int w, int lane, const Side& side) {
@@ -1612,16 +1659,32 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     if (sg.blk0 >= sg.blk1) continue;  // (never for a valid plan; producers skip it too)
     const int64_t row = (int64_t)req * p.s_q + s;
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
-    load_q(smem, p.q + head_row * kHeadDim, ct);
+    load_q<false, kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
+    if (kStagedEpi && req < wk.end_req) {  // the next request's 64 KB of Q rows: two 128-byte lines per thread
+      const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim);
+      prefetch_l2(qn + 128 * ct);
+      prefetch_l2(qn + 128 * (ct + kConsumerThreads));
+    }
     acc_reset(acc);
     consume_tiles(crew, smem, tc, sg.blk1 - sg.blk0, acc, p.scale_log2, w, lane, side);
     tc += sg.blk1 - sg.blk0;
+    int first, pieces;
+    if constexpr (kStagedEpi) {  // (their latency under the barrier's)
+      first = ldg_nc_s32(p.num_splits + req);
+      pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+    }
     publish_row_stats(smem, acc, w, lane);
-    const int first = ldg_nc_s32(p.num_splits + req);
-    const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+    if constexpr (!kStagedEpi) {
+      first = ldg_nc_s32(p.num_splits + req);
+      pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+    }
     if (pieces <= 1) {
-      write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                  p.sink + (int64_t)group * kHeadsPerCta);
+      if constexpr (kStagedEpi)
+        write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
+                                        p.sink + (int64_t)group * kHeadsPerCta);
+      else
+        write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
+                    p.sink + (int64_t)group * kHeadsPerCta);
     } else {
       const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
       const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;

@@ -313,40 +313,6 @@ DEVFN void seesaw_publish_stats(char* smem, Acc& acc, int w, int lane) {
   bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-// Final epilogue through shared memory (the Q region, free once every S is done): each thread's bf16
-// pairs go to a [64][1024 B] staging tile (16-byte chunk c of row r at c ^ (r & 7): no bank conflicts),
-// then the 256 consumers store it with coalesced 16-byte writes (write_final's direct 4-byte stores
-// leave each 32-byte sector half used: 5% of the kernel's samples in Nsight Compute). lse and
-// max_logits as write_final.
-DEVFN void seesaw_write_final(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
-                              float* maxl0, const float* sink0) {
-  const int g = lane >> 2, t = lane & 3;
-  char* stage = smem + kSmemQ;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = o_row(w, 0, g) + 8 * hr;
-    const FinalRow fr = final_row(smem, r, sink0);
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      const int c = 32 * (w >> 2) + n;  // dims 8c..8c+7
-      *reinterpret_cast<uint32_t*>(stage + r * 1024 + ((c ^ (r & 7)) << 4) + 4 * t) =
-          pack_bf16x2(acc.o[n][2 * hr] * fr.factor, acc.o[n][2 * hr + 1] * fr.factor);
-    }
-    if ((w >> 2) == 0 && t == 0) {
-      lse0[r] = fr.lse_nat;
-      maxl0[r] = fr.maxl;
-    }
-  }
-  bar_sync(kBarConsumers, kConsumerThreads);
-  const int ct = thread_idx();
-#pragma unroll 4
-  for (int i = 0; i < 16; ++i) {
-    const int k = ct + kConsumerThreads * i, r = k >> 6, c = k & 63;
-    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =
-        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));
-  }
-}
-
 DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
   const int64_t bid = block_idx();
@@ -381,8 +347,9 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
       seesaw_wg1(smem, npairs, acc, p.scale_log2, w, lane);
   }
   seesaw_publish_stats(smem, acc, w, lane);
-  seesaw_write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
-                     p.sink + (int64_t)group * kHeadsPerCta);
+  write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
+                                  p.max_logits + head_row,
+                                  p.sink + (int64_t)group * kHeadsPerCta);
 }
 #endif  // DSV41_WGMMA
 
