@@ -5,7 +5,9 @@
 Builds the library with `DSV41_EXP_TRACE` (kernels.cuh: lane 0 of producer warp 0 and of consumer warps 0
 and 4 of the first 8 CTAs stamp `%clock` at fixed points of every tile), runs the case a few times, copies
 the last call's stamps out (`dsv41_trace_read`) and prints, per role, the median cycles of each step over
-the steady-state tiles (the first and last 4 tiles of each CTA left out), the tile period, and the
+the steady-state tiles (the first and last 4 tiles of each CTA left out), the tile period, its mean over all
+tiles (period_mean: segment boundaries included), the median gap at a segment boundary (segment_gap: from the
+release of a request's last tile to the next tile's loop top, i.e. the epilogue, the next Q and metadata), and the
 hand-off latencies between the roles of one CTA (same SM, same clock):
 
   consumer events  (symmetric consumers) 0 before FULL wait, 1 after it, 2 S wgmma done, 3 partial scores exchanged (B0),
@@ -88,6 +90,23 @@ def summarize(tr, has_p: bool) -> dict:
             rows["period"].append(_d(c[4:n - 5, 0], c[5:n - 4, 0]))
             rows["loop"].append(_d(c[4:n - 5, 7], c[5:n - 4, 0]))
         out[name] = {k: float(np.median(np.concatenate(v))) for k, v in rows.items() if v}
+        # whole sequences: the mean period (segment boundaries included) and the median gap from the release
+        # of a segment's last tile to the next tile's loop top, for gaps above 4x the median loop (the epilogue,
+        # the next request's Q and metadata)
+        per_all, gaps = [], []
+        for cta in range(tr.shape[0]):
+            c = tr[cta, slot]
+            n = int(np.count_nonzero(c[:, 1]))
+            if n < 12:
+                continue
+            per_all.append(_d(c[:n - 1, 0], c[1:n, 0]))
+            gaps.append(_d(c[:n - 1, 7], c[1:n, 0]))
+        if per_all and "loop" in out[name]:
+            g = np.concatenate(gaps)
+            big = g[g > 4 * max(out[name]["loop"], 1.0)]
+            out[name]["period_mean"] = float(np.mean(np.concatenate(per_all)))
+            if big.size:
+                out[name]["segment_gap"] = float(np.median(big))
     if has_p:
         rows = {k: [] for k, _, _ in P_STEPS}
         rows["loop"], rows["full_to_wake"], rows["release_to_refill"] = [], [], []
