@@ -1639,7 +1639,7 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
 }
 
 // Experiment (DSV41_EXP_STAGED_EPI, wgmma builds; ready, not measured): a decode CTA's segment boundary
-// (~16000 cycles per boundary in the trace at 9b430d7, against a ~4000-cycle tile) with fewer serial
+// (~16900 cycles per boundary in the trace at 9b430d7, against a ~4000-cycle tile) with fewer serial
 // latencies: the split counts loaded before the row statistics' barrier, the output staged in the Q region and
 // stored with coalesced 16-byte writes (write_final_staged), Q loaded with all 16 loads in flight, and the next
 // request's Q prefetched into L2 when a segment starts.
