@@ -83,24 +83,18 @@ def summarize(tr, has_p: bool) -> dict:
         steps = C_STEPS_SPLIT[name] if split else C_STEPS
         rows = {k: [] for k, _, _ in steps}
         rows["period"], rows["loop"] = [], []
+        per_all, gaps = [], []  # over each CTA's whole sequence, segment boundaries included
         for cta, n, sl in _steady(tr, slot):
             c = tr[cta, slot]
             for k, a, b in steps:
                 rows[k].append(_d(c[sl, a], c[sl, b]))
             rows["period"].append(_d(c[4:n - 5, 0], c[5:n - 4, 0]))
             rows["loop"].append(_d(c[4:n - 5, 7], c[5:n - 4, 0]))
-        out[name] = {k: float(np.median(np.concatenate(v))) for k, v in rows.items() if v}
-        # whole sequences: the mean period (segment boundaries included) and the median gap from the release
-        # of a segment's last tile to the next tile's loop top, for gaps above 4x the median loop (the epilogue,
-        # the next request's Q and metadata)
-        per_all, gaps = [], []
-        for cta in range(tr.shape[0]):
-            c = tr[cta, slot]
-            n = int(np.count_nonzero(c[:, 1]))
-            if n < 12:
-                continue
             per_all.append(_d(c[:n - 1, 0], c[1:n, 0]))
             gaps.append(_d(c[:n - 1, 7], c[1:n, 0]))
+        out[name] = {k: float(np.median(np.concatenate(v))) for k, v in rows.items() if v}
+        # the mean period, and the median gap from the release of a segment's last tile to the next tile's
+        # loop top over the gaps above 4x the median loop (the epilogue, the next request's Q and metadata)
         if per_all and "loop" in out[name]:
             g = np.concatenate(gaps)
             big = g[g > 4 * max(out[name]["loop"], 1.0)]

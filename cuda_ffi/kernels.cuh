@@ -882,14 +882,14 @@ DEVFN float quad_row_max(const float (&s)[J][4], int hr) {
 }
 
 // Row hr of S becomes P = 2^(S - base) in place (2^-inf = 0 for masked tokens); l = l * alpha + the
-// row's new partial sum.
-template <int J>
-DEVFN void exp_row(float (&s)[J][4], int hr, float base, float alpha, Acc& acc) {
+// row's new partial sum. kScaled: S is unscaled, P = 2^(S * scale - base) (one FFMA).
+template <int J, bool kScaled = false>
+DEVFN void exp_row(float (&s)[J][4], int hr, float base, float alpha, Acc& acc, float scale = 1.f) {
   float sum = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    const float p0 = fexp2(s[j][2 * hr] - base);
-    const float p1 = fexp2(s[j][2 * hr + 1] - base);
+    const float p0 = fexp2(kScaled ? fmaf(s[j][2 * hr], scale, -base) : s[j][2 * hr] - base);
+    const float p1 = fexp2(kScaled ? fmaf(s[j][2 * hr + 1], scale, -base) : s[j][2 * hr + 1] - base);
     s[j][2 * hr] = p0;
     s[j][2 * hr + 1] = p1;
     sum += p0 + p1;
@@ -1203,8 +1203,6 @@ struct NoSide {
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. The default
 // for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
-// Warpgroup 0 of the split, after S of tile tc: mask, softmax, P (packed into pk) and alpha to shared
-// memory for warpgroup 1 (the P-ready barrier), O rescaled; its PV is the caller's.
 // Experiments for warpgroup 0's softmax (ready, not measured): DSV41_EXP_STSM_P stores P with 4 stmatrix.x4
 // instead of 16 4-byte stores; DSV41_EXP_FUSED_SCALE masks the raw scores and folds the scale into the
 // exponent's FFMA, 2^(s * scale - base) (one multiply less per score; for positive scales only, the
@@ -1230,6 +1228,20 @@ DEVFN void store_p_stsm(char* smem, int buf, const uint32_t (&pk)[8][2], int w, 
     stsm_x4(ps + swz128(row, j + (m >> 1)), r);
   }
 }
+// The split's mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j of vw) and, when kScale, the scale
+// to the log2 domain.
+template <bool kScale>
+DEVFN void mask_scores(float (&s)[8][4], const uint32_t* vw, int t, float scale_log2) {
+  const float ninf = -finf();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t bits = vw[j] >> (2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? (kScale ? s[j][e] * scale_log2 : s[j][e]) : ninf;
+  }
+}
+// Warpgroup 0 of the split, after S of tile tc: mask, softmax, P (packed into pk) and alpha to shared
+// memory for warpgroup 1 (the P-ready barrier), O rescaled; its PV is the caller's.
 template <bool kBf16>
 DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t (&pk)[8][2], Acc& acc,
                                  float scale_log2, int w, int lane) {
@@ -1237,41 +1249,16 @@ DEVFN void split_softmax_publish(char* smem, int tc, float (&s)[8][4], uint32_t 
   const int r0 = 16 * (w & 3) + g;
   float* alpha_b = reinterpret_cast<float*>(smem + kSmemRowMax) + 64 * buf;
   float alpha[2] = {1.f, 1.f};
-  // mask (token 8j + 2t + (e & 1): bit 2t + (e & 1) of word j) and scale
   const uint32_t* vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf;
-  const float ninf = -finf();
-  if (kFusedScale && scale_log2 > 0.f) {
+  const bool fused = kFusedScale && scale_log2 > 0.f;  // (uniform)
+  if (fused) mask_scores<false>(s, vw, t, scale_log2);
+  else mask_scores<true>(s, vw, t, scale_log2);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t bits = vw[j] >> (2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] : ninf;
-    }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr) * scale_log2, alpha[hr]);
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-          s[j][e] = fexp2(fmaf(s[j][e], scale_log2, -base));
-          sum += s[j][e];
-        }
-      acc.l[hr] = acc.l[hr] * alpha[hr] + sum;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t bits = vw[j] >> (2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = ((bits >> (e & 1)) & 1u) ? s[j][e] * scale_log2 : ninf;
-    }
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const float base = lazy_row_update(acc, hr, quad_row_max(s, hr), alpha[hr]);  // sets alpha[hr]
-      exp_row(s, hr, base, alpha[hr], acc);
-    }
+  for (int hr = 0; hr < 2; ++hr) {
+    const float mt = quad_row_max(s, hr);
+    const float base = lazy_row_update(acc, hr, fused ? mt * scale_log2 : mt, alpha[hr]);  // sets alpha[hr]
+    if (fused) exp_row<8, true>(s, hr, base, alpha[hr], acc, scale_log2);
+    else exp_row(s, hr, base, alpha[hr], acc);
   }
   pack_p<8, kBf16>(s, pk);
   DSV41_TRACE_C(w, tc, 4);
