@@ -32,10 +32,10 @@
 #                 symmetric pair consumers computing S split over the tokens (decode_sym no_qk_ksplit: S by
 #                 m64n32 per warpgroup, each reading all of Q), one 8 KB peer copy per producer warp
 #                 (one_copy, timing only), a pair's peer copies after all its rows instead of one per column block
-#                 as soon as it is stored (copy_after), each block's fence and copy after the next block is converted
-#                 (copy_lag), a pair sending only half of each row to its peer (peer4, timing only), the split
+#                 as soon as it is stored (copy_after), each block's fence and copy right after its stores instead of
+#                 after the next block's conversion (no_copy_lag), a pair sending only half of each row to its peer (peer4, timing only), the split
 #                 consumers' P stored by stmatrix (stsm_p) and their scale folded into the exponent (fused_scale), the
-#                 decode's segment boundary with fewer serial latencies (staged_epi), a pair's
+#                 decode's old serial segment boundary (serial_epi), a pair's
 #                 producers computing their gather addresses themselves
 #                 instead of warpgroup 1 (no_wg1_addr), a pair's warpgroup 0 keeping its PV in flight across the
 #                 wait for the next tile (wg0_pv_late, 208 / 192 registers for the consumer warpgroups)) and for
@@ -113,9 +113,9 @@ for s in "${stages[@]}"; do
                "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
                "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
                "no_qk_ksplit:--define DSV41_EXP_NO_QK_KSPLIT" "one_copy:--define DSV41_EXP_ONE_COPY --define DSV41_EXP_COPY_BLOCKS=8" \
-               "copy_after:--define DSV41_EXP_COPY_BLOCKS=8" "copy_lag:--define DSV41_EXP_COPY_LAG" \
+               "copy_after:--define DSV41_EXP_COPY_BLOCKS=8" "no_copy_lag:--define DSV41_EXP_NO_COPY_LAG" \
                "peer4:--define DSV41_EXP_PEER_BLOCKS=4" "stsm_p:--define DSV41_EXP_STSM_P" \
-               "fused_scale:--define DSV41_EXP_FUSED_SCALE" "staged_epi:--define DSV41_EXP_STAGED_EPI" \
+               "fused_scale:--define DSV41_EXP_FUSED_SCALE" "serial_epi:--define DSV41_EXP_SERIAL_EPI" \
                "no_wg1_addr:--define DSV41_EXP_NO_WG1_ADDR" "wg0_pv_late:--define DSV41_EXP_WG0_PV_LATE" \
                ${extra[@]+"${extra[@]}"}; do
         name="${v%%:*}"; flags="${v#*:}"

@@ -563,15 +563,16 @@ constexpr int kCopyBlocks = DSV41_EXP_COPY_BLOCKS;
 constexpr int kCopyBlocks = 1;
 #endif
 static_assert(kCopyBlocks == 1 || kCopyBlocks == 2 || kCopyBlocks == 4 || kCopyBlocks == 8, "DSV41_EXP_COPY_BLOCKS");
-// Experiment (DSV41_EXP_COPY_LAG, with one block at a time): block i - 1's fence and copy come after block i is
+// Lagged copies (the default, with one block at a time): block i - 1's fence and copy come after block i is
 // converted and before it is stored, so the fence (MEMBAR.ALL.CTA in SASS: it waits for all of the thread's earlier
-// memory operations) does not wait for the stores it does not need to order.
-#ifdef DSV41_EXP_COPY_LAG
-constexpr bool kCopyLag = true;
-static_assert(kCopyBlocks == 1, "DSV41_EXP_COPY_LAG sends one block at a time");
-#else
+// memory operations) does not wait for the stores it does not need to order (decode 333.5 -> 329.4 us with the
+// staged boundary; RESULTS.md, fifteenth session). DSV41_EXP_NO_COPY_LAG restores fence-after-store.
+#if defined(DSV41_EXP_NO_COPY_LAG) || defined(DSV41_EXP_COPY_BLOCKS)
 constexpr bool kCopyLag = false;
+#else
+constexpr bool kCopyLag = true;
 #endif
+static_assert(!kCopyLag || kCopyBlocks == 1, "lagged copies send one block at a time");
 struct NoHook {
   DEVFN void operator()(int, bool) const {}
 };
@@ -1625,12 +1626,13 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
   produce_tiles(smem, crew, Pools{&p.main, &p.extra}, pw, lane, [&]() -> TileSrc { return cur.next(); });
 }
 
-// Experiment (DSV41_EXP_STAGED_EPI, wgmma builds; ready, not measured): a decode CTA's segment boundary
-// (~16900 cycles per boundary in the trace at 9b430d7, against a ~4000-cycle tile) with fewer serial
-// latencies: the split counts loaded before the row statistics' barrier, the output staged in the Q region and
-// stored with coalesced 16-byte writes (write_final_staged), Q loaded with all 16 loads in flight, and the next
-// request's Q prefetched into L2 when a segment starts.
-#if defined(DSV41_EXP_STAGED_EPI) && DSV41_WGMMA
+// The staged segment boundary (the default in wgmma builds): a decode CTA's boundary between requests (~16900
+// cycles in the trace at 9b430d7, against a ~4000-cycle tile) with fewer serial latencies: the split counts loaded
+// before the row statistics' barrier, the output staged in the Q region and stored with coalesced 16-byte writes
+// (write_final_staged), Q loaded with all 16 loads in flight, and the next request's Q prefetched into L2 when a
+// segment starts (decode 343.6 -> 333.5 us; RESULTS.md, fifteenth session). DSV41_EXP_SERIAL_EPI restores the old
+// boundary.
+#if !defined(DSV41_EXP_SERIAL_EPI) && DSV41_WGMMA
 constexpr bool kStagedEpi = true;
 #else
 constexpr bool kStagedEpi = false;
