@@ -1676,14 +1676,12 @@ constexpr bool kStagedEpi = false;
 #endif
 // Experiment (DSV41_EXP_EARLY_BND, with the staged boundary): the boundary's remaining serial global loads issued
 // early: the sink and the next request's lengths before the row statistics' barrier (under its wait for warpgroup
-// 1's last PV; bit 0 of the value), the next request's Q once the output is staged (its latency under the copy-out;
-// bit 1).
+// 1's last PV), the next request's Q once the output is staged (its latency under the copy-out).
 #if defined(DSV41_EXP_EARLY_BND) && DSV41_WGMMA
 constexpr bool kEarlyBnd = true;
-constexpr bool kEarlyLoads = DSV41_EXP_EARLY_BND & 1, kEarlyQ = DSV41_EXP_EARLY_BND & 2;
 static_assert(kStagedEpi, "DSV41_EXP_EARLY_BND builds on the staged boundary");
 #else
-constexpr bool kEarlyBnd = false, kEarlyLoads = false, kEarlyQ = false;
+constexpr bool kEarlyBnd = false;
 #endif
 template <class C, class Side>
 DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
@@ -1694,15 +1692,15 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
   DecodeSeg nsg{0, 0, 0, 0, 0};  // (kEarlyBnd) request req's segment, loaded at the previous boundary
   bool q_ready = false;          // (kEarlyBnd) request req's Q is in place
   for (int req = wk.begin_req; req <= wk.end_req; ++req) {
-    const DecodeSeg sg = kEarlyLoads && req > wk.begin_req ? nsg : decode_segment(p, wk, req);
+    const DecodeSeg sg = kEarlyBnd && req > wk.begin_req ? nsg : decode_segment(p, wk, req);
     if (sg.blk0 >= sg.blk1) {  // (never for a valid plan; producers skip it too)
-      if (kEarlyLoads && req < wk.end_req) nsg = decode_segment(p, wk, req + 1);
+      if (kEarlyBnd && req < wk.end_req) nsg = decode_segment(p, wk, req + 1);
       q_ready = false;
       continue;
     }
     const int64_t row = (int64_t)req * p.s_q + s;
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
-    if (!(kEarlyQ && q_ready)) load_q<false, kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
+    if (!(kEarlyBnd && q_ready)) load_q<false, kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
     q_ready = false;
     if (kStagedEpi && req < wk.end_req) {  // the next request's 64 KB of Q rows: two 128-byte lines per thread
       const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim);
@@ -1718,7 +1716,7 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
       pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     }
     SinkPre sk{{0.f, 0.f}};
-    if constexpr (kEarlyLoads) {
+    if constexpr (kEarlyBnd) {
       const int r0 = o_row(w, 0, lane >> 2);
       const float* sink0 = p.sink + (int64_t)group * kHeadsPerCta;
       sk.v[0] = ldg_nc_f32(sink0 + r0);
@@ -1733,14 +1731,9 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     if (pieces <= 1) {
       if constexpr (kEarlyBnd) {
         const bool more = req < wk.end_req;
-        const uint16_t* qn = kEarlyQ && more ? p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim : nullptr;
-        if constexpr (kEarlyLoads)
-          write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                                          sk, QNext{qn, {}});
-        else
-          write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                                          SinkPtr{p.sink + (int64_t)group * kHeadsPerCta}, QNext{qn, {}});
-        q_ready = qn != nullptr;
+        write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
+                                        sk, QNext{more ? p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim : nullptr, {}});
+        q_ready = more;
       } else if constexpr (kStagedEpi) {
         write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
                                         SinkPtr{p.sink + (int64_t)group * kHeadsPerCta});
