@@ -35,8 +35,7 @@
 #                 as soon as it is stored (copy_after), each block's fence and copy right after its stores instead of
 #                 after the next block's conversion (no_copy_lag), a pair sending only half of each row to its peer (peer4, timing only), the split
 #                 consumers' P stored by stmatrix (stsm_p) and their scale folded into the exponent (fused_scale), the
-#                 decode's old serial segment boundary (serial_epi), the boundary's sink, lengths and next Q loaded
-#                 early (early_bnd), a pair's
+#                 decode's old serial segment boundary (serial_epi), a pair's
 #                 producers computing their gather addresses themselves
 #                 instead of warpgroup 1 (no_wg1_addr), a pair's warpgroup 0 keeping its PV in flight across the
 #                 wait for the next tile (wg0_pv_late, 208 / 192 registers for the consumer warpgroups)) and for
@@ -116,7 +115,7 @@ for s in "${stages[@]}"; do
                "no_qk_ksplit:--define DSV41_EXP_NO_QK_KSPLIT" "one_copy:--define DSV41_EXP_ONE_COPY --define DSV41_EXP_COPY_BLOCKS=8" \
                "copy_after:--define DSV41_EXP_COPY_BLOCKS=8" "no_copy_lag:--define DSV41_EXP_NO_COPY_LAG" \
                "peer4:--define DSV41_EXP_PEER_BLOCKS=4" "stsm_p:--define DSV41_EXP_STSM_P" \
-               "fused_scale:--define DSV41_EXP_FUSED_SCALE" "serial_epi:--define DSV41_EXP_SERIAL_EPI" "early_bnd:--define DSV41_EXP_EARLY_BND" \
+               "fused_scale:--define DSV41_EXP_FUSED_SCALE" "serial_epi:--define DSV41_EXP_SERIAL_EPI" \
                "no_wg1_addr:--define DSV41_EXP_NO_WG1_ADDR" "wg0_pv_late:--define DSV41_EXP_WG0_PV_LATE" \
                ${extra[@]+"${extra[@]}"}; do
         name="${v%%:*}"; flags="${v#*:}"

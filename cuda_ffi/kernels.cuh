@@ -52,8 +52,6 @@
 // ---------------------------------------------------------------------------------------------
 #pragma once
 
-#include <type_traits>
-
 #include "params.h"
 #include "prims.cuh"
 
@@ -828,46 +826,25 @@ DEVFN void acc_reset(Acc& a) {
 // Q rows of one (query token, 64-head group): 64 x 512 bf16 from global, as f16 (kBf16: as loaded)
 // into the swizzled tile layout. Called by all 256 consumer threads; ends with the consumer barrier.
 // kRound: loads in flight per thread (16: one latency instead of two, for callers with the registers free).
-// (chunk c = ct + 256 i of the 64 x 64 16-byte chunks: head c / 64, dims 8 (c % 64) ..)
-DEVFN uint4 q_chunk_load(const uint16_t* q, int c) { return ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8); }
-template <bool kBf16>
-DEVFN void q_chunk_store(char* smem, int c, uint4 v) {
-  *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = kBf16 ? v : bf16x8_to_f16x8(v);
-}
 template <bool kBf16 = false, int kRound = 8>
 DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
 #pragma unroll
   for (int i0 = 0; i0 < 16; i0 += kRound) {
     uint4 v[kRound];
 #pragma unroll
-    for (int i = 0; i < kRound; ++i) v[i] = q_chunk_load(q, ct + kConsumerThreads * (i0 + i));
+    for (int i = 0; i < kRound; ++i) {
+      const int c = ct + kConsumerThreads * (i0 + i);
+      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);
+    }
 #pragma unroll
-    for (int i = 0; i < kRound; ++i) q_chunk_store<kBf16>(smem, ct + kConsumerThreads * (i0 + i), v[i]);
+    for (int i = 0; i < kRound; ++i) {
+      const int c = ct + kConsumerThreads * (i0 + i);
+      *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = kBf16 ? v[i] : bf16x8_to_f16x8(v[i]);
+    }
   }
   fence_proxy_async();
   bar_sync(kBarConsumers, kConsumerThreads);
 }
-// load_q in two halves, for a caller that issues the loads early (q null: no next Q, both halves do nothing).
-struct QNext {
-  const uint16_t* q;
-  uint4 v[16];
-  DEVFN void issue(int ct) {
-    if (q == nullptr) return;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = q_chunk_load(q, ct + kConsumerThreads * i);
-  }
-  DEVFN void commit(char* smem, int ct) const {
-    if (q == nullptr) return;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) q_chunk_store<false>(smem, ct + kConsumerThreads * i, v[i]);
-    fence_proxy_async();
-    bar_sync(kBarConsumers, kConsumerThreads);
-  }
-};
-struct NoQNext {
-  DEVFN void issue(int) {}
-  DEVFN void commit(char*, int) const {}
-};
 
 // Online-softmax update of row hr (this tile's maximum mt, log2 domain) with the lazy base: returns
 // the base of P = 2^(S - base) and sets alpha, the factor for the row's O and l.
@@ -1463,17 +1440,7 @@ DEVFN void publish_row_stats(char* smem, Acc& acc, int w, int lane) {
 struct FinalRow {
   float factor, lse_nat, maxl;
 };
-// The sink of row r (hr: which of the thread's two rows): loaded at the epilogue, or before it (SinkPre).
-struct SinkPtr {
-  const float* p;
-  DEVFN float at(int, int r) const { return ldg_nc_f32(p + r); }
-};
-struct SinkPre {
-  float v[2];
-  DEVFN float at(int hr, int) const { return v[hr]; }
-};
-template <class Sink>
-DEVFN FinalRow final_row(const char* smem, int r, int hr, const Sink& sink) {
+DEVFN FinalRow final_row(const char* smem, int r, const float* sink0) {
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
   const float* mtrue = reinterpret_cast<const float*>(smem + kSmemMtrue);
@@ -1482,7 +1449,7 @@ DEVFN FinalRow final_row(const char* smem, int r, int hr, const Sink& sink) {
   FinalRow f{0.f, finf(), -finf()};
   if (L > 0.f) {
     const float lse2 = M + flog2(L);
-    const float sink2 = sink.at(hr, r) * kLog2e;  // +-inf stay +-inf
+    const float sink2 = ldg_nc_f32(sink0 + r) * kLog2e;  // +-inf stay +-inf
     f.factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));  // sink=+inf -> 1/inf = 0
     f.lse_nat = lse2 * kLn2;
     f.maxl = mtrue[r] * kLn2;
@@ -1500,7 +1467,7 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = o_row(w, rb, g) + 8 * hr;
-      const FinalRow fr = final_row(smem, r, hr, SinkPtr{sink0});
+      const FinalRow fr = final_row(smem, r, sink0);
       uint16_t* orow = orow0 + (int64_t)r * kHeadDim;
 #pragma unroll
       for (int n = 0; n < kOCols; ++n) {
@@ -1519,17 +1486,16 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
 // each thread's bf16 pairs go to a [64][1024 B] staging tile (16-byte chunk c of row r at c ^ (r & 7): no bank
 // conflicts), then the 256 consumers store it with coalesced 16-byte writes (the direct 4-byte stores leave each
 // 32-byte sector half used). lse and max_logits (when kMaxl) as write_final. kBarAfter: a barrier after the
-// copy-out, so that the caller may overwrite the Q region (the next segment's load_q). qn: the next segment's Q,
-// its loads issued once the output is staged (acc dead), its stores after the copy-out (QNext; kBarAfter only).
-template <bool kMaxl, bool kBarAfter, class Sink, class QN = NoQNext>
+// copy-out, so that the caller may overwrite the Q region (the next segment's load_q).
+template <bool kMaxl, bool kBarAfter>
 DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
-                              float* maxl0, const Sink& sink, QN&& qn = NoQNext{}) {
+                              float* maxl0, const float* sink0) {
   const int g = lane >> 2, t = lane & 3;
   char* stage = smem + kSmemQ;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = o_row(w, 0, g) + 8 * hr;
-    const FinalRow fr = final_row(smem, r, hr, sink);
+    const FinalRow fr = final_row(smem, r, sink0);
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       const int c = 32 * (w >> 2) + n;  // dims 8c..8c+7
@@ -1541,10 +1507,8 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
       if constexpr (kMaxl) maxl0[r] = fr.maxl;
     }
   }
-  const int ct = thread_idx();
-  static_assert(kBarAfter || std::is_same_v<std::decay_t<QN>, NoQNext>, "the next Q needs the barrier after");
-  qn.issue(ct);
   bar_sync(kBarConsumers, kConsumerThreads);
+  const int ct = thread_idx();
 #pragma unroll 4
   for (int i = 0; i < 16; ++i) {
     const int k = ct + kConsumerThreads * i, r = k >> 6, c = k & 63;
@@ -1552,7 +1516,6 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
         *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));
   }
   if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
-  qn.commit(smem, ct);
 }
 
 // Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty).
@@ -1674,34 +1637,18 @@ constexpr bool kStagedEpi = true;
 #else
 constexpr bool kStagedEpi = false;
 #endif
-// Experiment (DSV41_EXP_EARLY_BND, with the staged boundary): the boundary's remaining serial global loads issued
-// early: the sink and the next request's lengths before the row statistics' barrier (under its wait for warpgroup
-// 1's last PV), the next request's Q once the output is staged (its latency under the copy-out).
-#if defined(DSV41_EXP_EARLY_BND) && DSV41_WGMMA
-constexpr bool kEarlyBnd = true;
-static_assert(kStagedEpi, "DSV41_EXP_EARLY_BND builds on the staged boundary");
-#else
-constexpr bool kEarlyBnd = false;
-#endif
 template <class C, class Side>
 DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
                                 int s, int w, int lane, const Side& side) {
   Acc acc;
   int tc = 0;
   const int ct = thread_idx();
-  DecodeSeg nsg{0, 0, 0, 0, 0};  // (kEarlyBnd) request req's segment, loaded at the previous boundary
-  bool q_ready = false;          // (kEarlyBnd) request req's Q is in place
   for (int req = wk.begin_req; req <= wk.end_req; ++req) {
-    const DecodeSeg sg = kEarlyBnd && req > wk.begin_req ? nsg : decode_segment(p, wk, req);
-    if (sg.blk0 >= sg.blk1) {  // (never for a valid plan; producers skip it too)
-      if (kEarlyBnd && req < wk.end_req) nsg = decode_segment(p, wk, req + 1);
-      q_ready = false;
-      continue;
-    }
+    const DecodeSeg sg = decode_segment(p, wk, req);
+    if (sg.blk0 >= sg.blk1) continue;  // (never for a valid plan; producers skip it too)
     const int64_t row = (int64_t)req * p.s_q + s;
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
-    if (!(kEarlyBnd && q_ready)) load_q<false, kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
-    q_ready = false;
+    load_q<false, kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
     if (kStagedEpi && req < wk.end_req) {  // the next request's 64 KB of Q rows: two 128-byte lines per thread
       const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim);
       prefetch_l2(qn + 128 * ct);
@@ -1715,32 +1662,18 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
       first = ldg_nc_s32(p.num_splits + req);
       pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     }
-    SinkPre sk{{0.f, 0.f}};
-    if constexpr (kEarlyBnd) {
-      const int r0 = o_row(w, 0, lane >> 2);
-      const float* sink0 = p.sink + (int64_t)group * kHeadsPerCta;
-      sk.v[0] = ldg_nc_f32(sink0 + r0);
-      sk.v[1] = ldg_nc_f32(sink0 + r0 + 8);
-      if (req < wk.end_req) nsg = decode_segment(p, wk, req + 1);
-    }
     publish_row_stats(smem, acc, w, lane);
     if constexpr (!kStagedEpi) {
       first = ldg_nc_s32(p.num_splits + req);
       pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     }
     if (pieces <= 1) {
-      if constexpr (kEarlyBnd) {
-        const bool more = req < wk.end_req;
+      if constexpr (kStagedEpi)
         write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                                        sk, QNext{more ? p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim : nullptr, {}});
-        q_ready = more;
-      } else if constexpr (kStagedEpi) {
-        write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                                        SinkPtr{p.sink + (int64_t)group * kHeadsPerCta});
-      } else {
+                                        p.sink + (int64_t)group * kHeadsPerCta);
+      else
         write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
                     p.sink + (int64_t)group * kHeadsPerCta);
-      }
     } else {
       const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
       const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;

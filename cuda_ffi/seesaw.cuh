@@ -348,7 +348,7 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   }
   seesaw_publish_stats(smem, acc, w, lane);
   write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
-                                  p.max_logits + head_row, SinkPtr{p.sink + (int64_t)group * kHeadsPerCta});
+                                  p.max_logits + head_row, p.sink + (int64_t)group * kHeadsPerCta);
 }
 #endif  // DSV41_WGMMA
 
