@@ -14,7 +14,8 @@
 #                 per-instruction SASS page, log and a bench folder per case: point OUT elsewhere and
 #                 copy what you need (the device tool returns at most 8 files)
 #   model-tests   tests/test_model.py with impl=auto on the GPU
-#   bench         python -m benchmarks.sparse_mla --quick (every available impl)
+#   bench         python -m benchmarks.sparse_mla --quick (every available impl, or $BENCH_IMPLS; $BENCH_FLAGS
+#                 adds flags, e.g. --breakdown: each kernel's CUPTI time)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
 #   bench-rows    the cuda prefill with kv rows forced to bf16 (producers convert) and to f16 (the wrapper
 #                 converts; seesaw.cuh), $ROWS_CASES (default prefill_h128_topk2048); not recorded
@@ -96,7 +97,7 @@ for s in "${stages[@]}"; do
     pallas-ncu) ncu_cases pallas sparse_mla_kernel pncu sass sass "|Shared Memory" ;;
     pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
     model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
-    bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
+    bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} ${BENCH_FLAGS:-} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
     bench-rows) for rows in bf16 f16; do echo "--- prefill kv rows: $rows"
         DSV41_CUDA_PREFILL_ROWS=$rows run timeout 300 $PY -m benchmarks.sparse_mla --impls cuda --cases "${ROWS_CASES:-prefill_h128_topk2048}" \
           --out "$OUT/rows_$rows" 2>&1 | grep -E "^(prefill|!!!)"; done ;;

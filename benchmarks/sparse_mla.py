@@ -1,7 +1,7 @@
 """Benchmark sparse MLA decode / prefill for every available implementation.
 
     python -m benchmarks.sparse_mla [--impls xla,pallas,cuda] [--cases decode,prefill] [--quick]
-                                    [--out bench_out] [--record benchmarks/RESULTS.md]
+                                    [--out bench_out] [--record benchmarks/RESULTS.md] [--breakdown]
 
 Device-side timing with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`: the sum of the
 kernels each call launches, so host dispatch is excluded); wall clock with block_until_ready as a
@@ -12,7 +12,7 @@ decode FLOPs = 2 h_q attended (512 + 512), bytes = Q + unique tokens x 576 + O;
 prefill FLOPs = 2 sum(topk_length) h_q (512 + 512), bytes = Q + unique kv rows x 1024 + O.
 Prints a table with TFLOP/s, GB/s and the fraction of the H200 ceilings measured here
 (bf16 matmul ~780 TFLOP/s, copy ~4.3 TB/s), writes JSON and a roofline PNG, and appends a dated
-row per case to the results file when --record is given.
+row per case to the results file when --record is given. --breakdown also prints each kernel's CUPTI time.
 """
 
 from __future__ import annotations
@@ -96,6 +96,20 @@ def _timer(method: str = "auto"):
     return wall, "wallclock"
 
 
+def _breakdown(f, args, iterations: int) -> dict[str, float]:
+    """CUPTI per-kernel times of one call of f: {kernel name: median us over `iterations` calls}."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, runs = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+    if runs and isinstance(runs[0], tuple):  # (iterations == 1: one run, not a list of runs)
+        runs = [runs]
+    per: dict[str, list[float]] = {}
+    for run in runs or []:
+        for name, ms in run:
+            per.setdefault(name, []).append(1e3 * ms)
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
 def _make_decode_inputs(case: Case, key):
     """A large fp8/bf16 cache (b * s_kv tokens) and `sets` draws of (q, indices, lengths)."""
     import jax
@@ -129,7 +143,9 @@ def _unique(x) -> int:
     return int(np.unique(np.asarray(x)).size)
 
 
-def run_case(case: Case, impl: str, timer, sets: int, iterations: int, seed: int = 0) -> dict:
+def run_case(case: Case, impl: str, timer, sets: int, iterations: int, seed: int = 0, breakdown: bool = False) -> dict:
+    """Times `impl` on `case` (median over sets x iterations); breakdown: also the CUPTI per-kernel times of the
+    last set (key "kernels": {name: us})."""
     import jax
     import jax.numpy as jnp
 
@@ -148,7 +164,8 @@ def run_case(case: Case, impl: str, timer, sets: int, iterations: int, seed: int
         uniq = 0
         for s in range(sets):
             q, idx, eidx = _decode_draw(case, jax.random.fold_in(key, 100 + s), cap, ecap)
-            times += timer(f, (q, main, idx, extra, eidx), iterations)
+            args = (q, main, idx, extra, eidx)
+            times += timer(f, args, iterations)
             uniq += _unique(idx) + (_unique(eidx) if eidx is not None else 0)
         attended = case.b * case.s_q * (case.topk + case.extra_topk)
         flops = 2 * case.h_q * attended * 1024
@@ -162,16 +179,19 @@ def run_case(case: Case, impl: str, timer, sets: int, iterations: int, seed: int
             k1, k2 = jax.random.split(jax.random.fold_in(kq, s))
             q = jax.random.normal(k1, (case.s_q, case.h_q, 512), jnp.float32).astype(jnp.bfloat16)
             idx = jax.random.randint(k2, (case.s_q, case.topk), 0, case.s_kv).astype(jnp.int32)
-            times += timer(f, (q, kv, idx), iterations)
+            args = (q, kv, idx)
+            times += timer(f, args, iterations)
             uniq += _unique(idx)
         flops = 2 * case.s_q * case.topk * case.h_q * 1024
         bytes_ = 2 * 2 * case.s_q * case.h_q * 512 + (uniq / sets) * 1024
+    kernels = _breakdown(f, args, iterations) if breakdown else None
     ms = statistics.median(times)
     tflops = flops / (ms * 1e-3) / 1e12
     gbps = bytes_ / (ms * 1e-3) / 1e9
     return dict(case=case.name, op=case.op, impl=impl, ms=ms, us=ms * 1e3, tflops=tflops, gbps=gbps,
                 frac_flops=tflops / PEAK_TFLOPS, frac_bw=gbps / PEAK_GBPS, flops=flops, bytes=bytes_,
-                samples=len(times), spread=(max(times) - min(times)) / ms if ms else 0.0, config=dataclasses.asdict(case))
+                samples=len(times), spread=(max(times) - min(times)) / ms if ms else 0.0, config=dataclasses.asdict(case),
+                **({"kernels": kernels} if kernels is not None else {}))
 
 
 def _plot(results: list[dict], path: str) -> None:
@@ -209,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--record", default=None, help="append rows to this markdown file (benchmarks/RESULTS.md)")
     ap.add_argument("--timer", choices=("auto", "wall"), default="auto",
                     help="auto: CUPTI on GPUs; wall: wall clock (under ncu)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print the CUPTI time of each kernel a call launches (CUPTI timing only)")
     args = ap.parse_args(argv)
 
     import jax
@@ -223,6 +245,8 @@ def main(argv=None) -> int:
         cases = [c for c in cases if c.name in QUICK]
     impls = args.impls.split(",") if args.impls else sorted(set(d.attention.decode_impls()) | set(d.attention.prefill_impls()))
     timer, method = _timer(args.timer)
+    if args.breakdown and method != "cupti":
+        ap.error(f"--breakdown needs CUPTI timing, got {method!r} (a GPU, and no --timer wall)")
     dev = jax.devices()[0]
     device = getattr(dev, "device_kind", dev.platform)
     print(f"# device: {device}; timing: {method}; jax {jax.__version__}; commit {git_commit()}")
@@ -233,13 +257,15 @@ def main(argv=None) -> int:
             if impl not in table:
                 continue
             try:
-                r = run_case(c, impl, timer, args.sets, args.iterations)
+                r = run_case(c, impl, timer, args.sets, args.iterations, breakdown=args.breakdown)
             except Exception as e:
                 print(f"{c.name:28s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue
             results.append(r)
             print(f"{c.name:28s} {impl:7s} {r['us']:10.1f} us {r['tflops']:8.1f} TFLOP/s ({100 * r['frac_flops']:5.1f}%)"
                   f" {r['gbps']:8.0f} GB/s ({100 * r['frac_bw']:5.1f}%)  spread {100 * r['spread']:.1f}%", flush=True)
+            for name, us in sorted(r.get("kernels", {}).items(), key=lambda kv: -kv[1]):
+                print(f"    kernel {us:10.1f} us  {name[:100]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), commit=git_commit(), device=device, timing=method,
                 jax=jax.__version__, command="python -m benchmarks.sparse_mla " + " ".join(argv or sys.argv[1:]))

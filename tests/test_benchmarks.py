@@ -37,3 +37,15 @@ def test_ncu_summary_ranks_stalls_and_instructions(tmp_path, capsys):
     lines = out.splitlines()
     top = [l for l in lines if "BAR.SYNC" in l or "HGMMA" in l]
     assert "BAR.SYNC" in top[0] and "90.0%" in top[0] and "barrier=88" in top[0]
+
+
+def test_sparse_mla_breakdown_needs_cupti(capsys):
+    """--breakdown is refused with the reason where CUPTI timing is not used (here: --timer wall)."""
+    import pytest
+
+    from benchmarks import sparse_mla
+
+    with pytest.raises(SystemExit) as e:
+        sparse_mla.main(["--breakdown", "--timer", "wall", "--cases", "no_such_case"])
+    assert e.value.code == 2
+    assert "--breakdown needs CUPTI timing, got 'wallclock'" in capsys.readouterr().err
