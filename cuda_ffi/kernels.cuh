@@ -1780,12 +1780,17 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
 // L = roundup(max(len_i, 1), 64) + extra_len_i; lengths clamped to [0, topk] as in the decode
 // kernel (decode_segment counts the same blocks). Every part gets the budget
 // ceil(sum_i(blocks(i) + ov) / parts) + ov, takes whole requests (blocks + ov) while they fit,
-// then splits the next one when more than ov is left. The walk is serial: every lane runs it
-// on warp-uniform values and reads blocks(req) by shuffle from a 32-request register window
-// (lane l holds request base + l) whose successor's lengths are loaded one window ahead.
+// then splits the next one when more than ov is left.
 // Records: [begin_req, end_req, begin_blk, end_blk, begin_split, first_split, last_split, 0];
 // num_splits[0] = 0, num_splits[i + 1] = cumulative pieces of requests 0..i (0 for requests
 // no part reached, as in the JAX version). Assumes sum_i(blocks(i) + ov) < 2^31.
+//
+// The walk is serial over the parts but not over the requests: with C[i] = sum_{k<i}(blocks(k) + ov), a part
+// starting at block blk of request r may reach the cost position T = C[r] + blk + budget, and takes whole every
+// request j with C[j + 1] <= T (the greedy's "fits" test, summed), so one ballot over a 32-request window of
+// C (lane l holds C[base + l + 1], a warp scan) finds where it ends; the rest of the budget, less ov, splits the
+// next request. Each completed request i gets num_splits[i + 1] = i + 1 + (splits so far) from its own lane.
+// (A walk one request at a time took 17 us of a 329 us headline decode, CUPTI, RESULTS.md fifteenth session.)
 DEVFN void plan_load(const PlanParams& p, int i, int32_t& len, int32_t& elen) {
   len = 0;
   elen = 0;
@@ -1802,6 +1807,18 @@ DEVFN int plan_blocks(const PlanParams& p, int32_t len, int32_t elen) {
   return (l - 1) / kTileTokens + 1;
 }
 
+// C[base + lane + 1] of the window base.. (cbase = C[base]; INT_MAX past b, so those never fit).
+DEVFN int plan_window_cost(const PlanParams& p, int base, int cbase, int nblk, int lane) {
+  const bool in = base + lane < p.b;
+  int v = in ? nblk + p.fixed_overhead : 0;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int t = (int)shfl_idx_u32((uint32_t)v, lane >= d ? lane - d : 0);
+    if (lane >= d) v += t;
+  }
+  return in ? cbase + v : 0x7fffffff;
+}
+
 DEVFN void plan_warp(const PlanParams& p, int lane) {
   const int b = p.b, parts = p.num_parts, ov = p.fixed_overhead;
   // ---- total = sum(blocks + ov), payload per part
@@ -1816,59 +1833,56 @@ DEVFN void plan_warp(const PlanParams& p, int lane) {
   for (int m = 16; m; m >>= 1) total += shfl_xor_u32(total, m);
   const int payload = ((int)total + parts - 1) / parts + ov;
 
-  // ---- the greedy walk
+  // ---- the window: requests base .. base + 31, the next window's lengths loaded one window ahead
   int32_t cl, ce, nl, ne;
   plan_load(p, lane, cl, ce);
   plan_load(p, 32 + lane, nl, ne);
-  int cur = plan_blocks(p, cl, ce);  // blocks(base + lane)
-  int base = 0;
-  int req = 0, blk = 0, nsplit = 0, cum = 0;
-  int nb = 0;                                    // blocks(req) of the last step
-  int prev_nb = (int)shfl_idx_u32((uint32_t)cur, 0);  // blocks(max(req - 1, 0))
+  int base = 0, cbase = 0;
+  int nblk = plan_blocks(p, cl, ce);                          // blocks(base + lane)
+  int cin = plan_window_cost(p, base, cbase, nblk, lane);     // C[base + lane + 1]
+  int nb_before = (int)shfl_idx_u32((uint32_t)nblk, 0);       // blocks(base - 1); blocks(0) in the first window
+  // ---- the greedy walk: the current request, its next block, its splits so far, all splits so far, C[req]
+  int req = 0, blk = 0, nsplit = 0, splits = 0, creq = 0;
   if (lane == 0) p.num_splits[0] = 0;
   for (int part = 0; part < parts; ++part) {
     const int begin_req = req, begin_blk = blk, begin_split = nsplit;
     int first = blk != 0 ? 1 : 0;
-    int remain = payload;
-    while (req < b) {
-      if (req - base == 32) {  // next window (req grows by one per step)
-        base += 32;
-        cur = plan_blocks(p, nl, ne);
-        plan_load(p, base + 32 + lane, nl, ne);
-      }
-      nb = (int)shfl_idx_u32((uint32_t)cur, req - base);
-      const int left = nb - blk;
-      if (remain >= left + ov) {  // the rest of request req fits
-        cum += nsplit + 1;
-        if (lane == 0) p.num_splits[req + 1] = cum;
-        remain -= left + ov;
-        prev_nb = nb;
-        ++req;
-        blk = 0;
-        nsplit = 0;
-      } else {
-        if (remain - ov > 0) {  // split it: this part takes remain - ov blocks
-          blk += remain - ov;
-          ++nsplit;
-          remain = 0;
+    if (req < b) {
+      const int reach = creq + blk + payload;  // T
+      for (;;) {
+        const int cnt = popc32(ballot(cin <= reach));  // requests base .. base + cnt - 1 end by T
+        const int j = base + cnt;
+        if (base + lane >= req && base + lane < j) p.num_splits[base + lane + 1] = base + lane + 1 + splits;
+        if (j > req) {
+          creq = (int)shfl_idx_u32((uint32_t)cin, cnt - 1);
+          req = j;
+          blk = 0;
+          nsplit = 0;
         }
-        break;
+        if (cnt < 32 || base + 32 >= b) break;
+        nb_before = (int)shfl_idx_u32((uint32_t)nblk, 31);  // the window is used up: the next one
+        cbase = (int)shfl_idx_u32((uint32_t)cin, 31);
+        base += 32;
+        nblk = plan_blocks(p, nl, ne);
+        plan_load(p, base + 32 + lane, nl, ne);
+        cin = plan_window_cost(p, base, cbase, nblk, lane);
+      }
+      if (req < b && reach - creq - blk - ov > 0) {  // split request req: this part takes the rest less ov
+        blk += reach - creq - blk - ov;
+        ++nsplit;
+        ++splits;
       }
     }
+    const int before = (int)shfl_idx_u32((uint32_t)nblk, req > base ? req - base - 1 : 0);
+    const int here = (int)shfl_idx_u32((uint32_t)nblk, req - base < 32 ? req - base : 31);
     const int end_req = blk > 0 ? req : req - 1;
-    const int end_blk = blk > 0 ? blk : prev_nb;
-    int last = (blk > 0 && end_blk != nb) ? 1 : 0;
+    const int end_blk = blk > 0 ? blk : (req > base ? before : nb_before);
+    int last = (blk > 0 && end_blk != here) ? 1 : 0;
     if (begin_req == end_req) first = last = (first | last);
-    if (lane == 0) {
-      int32_t* row = p.sched + (int64_t)part * 8;
-      row[0] = begin_req;
-      row[1] = end_req;
-      row[2] = begin_blk;
-      row[3] = end_blk;
-      row[4] = begin_split;
-      row[5] = first;
-      row[6] = last;
-      row[7] = 0;
+    if (lane < 8) {
+      const int v = lane == 0 ? begin_req : lane == 1 ? end_req : lane == 2 ? begin_blk : lane == 3 ? end_blk
+                  : lane == 4 ? begin_split : lane == 5 ? first : lane == 6 ? last : 0;
+      p.sched[(int64_t)part * 8 + lane] = v;
     }
   }
   for (int i = req + 1 + lane; i <= b; i += 32) p.num_splits[i] = 0;

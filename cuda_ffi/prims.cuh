@@ -91,7 +91,9 @@ DEVFN float shfl_xor_f32(float v, int m) { return __shfl_xor_sync(0xffffffffu, v
 DEVFN uint32_t shfl_idx_u32(uint32_t v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 DEVFN uint32_t shfl_xor_u32(uint32_t v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 DEVFN uint32_t ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+DEVFN int popc32(uint32_t v) { return __popc(v); }
 #else
+inline int popc32(uint32_t v) { return __builtin_popcount(v); }
 inline float shfl_xor_f32(float v, int m) {
   float r;
   int lane = lane_idx();
