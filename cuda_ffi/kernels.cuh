@@ -1790,7 +1790,10 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
 // request j with C[j + 1] <= T (the greedy's "fits" test, summed), so one ballot over a 32-request window of
 // C (lane l holds C[base + l + 1], a warp scan) finds where it ends; the rest of the budget, less ov, splits the
 // next request. Each completed request i gets num_splits[i + 1] = i + 1 + (splits so far) from its own lane.
-// (A walk one request at a time took 17 us of a 329 us headline decode, CUPTI, RESULTS.md fifteenth session.)
+// The serial loop keeps only that recurrence and leaves each part's end state in its record; the records are then
+// written 32 parts at a time, each lane taking its part's start from the part before (a one-warp kernel runs at ~6
+// cycles per instruction: a walk one request at a time took 17.0 us, one ballot per part with the records in the
+// loop 14.7 us, of a ~328 us headline decode; RESULTS.md fifteenth session).
 DEVFN void plan_load(const PlanParams& p, int i, int32_t& len, int32_t& elen) {
   len = 0;
   elen = 0;
@@ -1841,24 +1844,22 @@ DEVFN void plan_warp(const PlanParams& p, int lane) {
   int nblk = plan_blocks(p, cl, ce);                          // blocks(base + lane)
   int cin = plan_window_cost(p, base, cbase, nblk, lane);     // C[base + lane + 1]
   int nb_before = (int)shfl_idx_u32((uint32_t)nblk, 0);       // blocks(base - 1); blocks(0) in the first window
-  // ---- the greedy walk: the current request, its next block, its splits so far, all splits so far, C[req]
-  int req = 0, blk = 0, nsplit = 0, splits = 0, creq = 0;
+  // ---- the walk, serial over the parts and kept to the recurrence: the position x = C[req] + blk, the current
+  // request, its splits so far, all splits so far. Each part's end state goes to fields 4..7 of its record (scratch
+  // until the records are written below): the request j it ends in, the block it ends at (0: at j's start), the
+  // blocks of the request the record's end_blk / last_split need, and its begin_split.
+  int x = 0, req = 0, nsplit = 0, splits = 0;
   if (lane == 0) p.num_splits[0] = 0;
   for (int part = 0; part < parts; ++part) {
-    const int begin_req = req, begin_blk = blk, begin_split = nsplit;
-    int first = blk != 0 ? 1 : 0;
+    const int begin_split = nsplit;
+    int j = req, cj = x;  // (req == b: nothing left, x = C[b])
     if (req < b) {
-      const int reach = creq + blk + payload;  // T
+      const int reach = x + payload;  // T
+      int cnt;
       for (;;) {
-        const int cnt = popc32(ballot(cin <= reach));  // requests base .. base + cnt - 1 end by T
-        const int j = base + cnt;
+        cnt = popc32(ballot(cin <= reach));  // requests base .. base + cnt - 1 end by T
+        j = base + cnt;
         if (base + lane >= req && base + lane < j) p.num_splits[base + lane + 1] = base + lane + 1 + splits;
-        if (j > req) {
-          creq = (int)shfl_idx_u32((uint32_t)cin, cnt - 1);
-          req = j;
-          blk = 0;
-          nsplit = 0;
-        }
         if (cnt < 32 || base + 32 >= b) break;
         nb_before = (int)shfl_idx_u32((uint32_t)nblk, 31);  // the window is used up: the next one
         cbase = (int)shfl_idx_u32((uint32_t)cin, 31);
@@ -1867,25 +1868,59 @@ DEVFN void plan_warp(const PlanParams& p, int lane) {
         plan_load(p, base + 32 + lane, nl, ne);
         cin = plan_window_cost(p, base, cbase, nblk, lane);
       }
-      if (req < b && reach - creq - blk - ov > 0) {  // split request req: this part takes the rest less ov
-        blk += reach - creq - blk - ov;
-        ++nsplit;
-        ++splits;
-      }
+      const int c = (int)shfl_idx_u32((uint32_t)cin, cnt > 0 ? cnt - 1 : 0);
+      cj = cnt > 0 ? c : cbase;                                  // C[j]
+      const bool split = j < b && reach - (x > cj ? x : cj) > ov;  // more than ov left for request j
+      x = split ? reach - ov : cj;
+      nsplit = split ? (j > req ? 1 : nsplit + 1) : 0;
+      splits += split ? 1 : 0;
+      req = j;
     }
-    const int before = (int)shfl_idx_u32((uint32_t)nblk, req > base ? req - base - 1 : 0);
-    const int here = (int)shfl_idx_u32((uint32_t)nblk, req - base < 32 ? req - base : 31);
-    const int end_req = blk > 0 ? req : req - 1;
-    const int end_blk = blk > 0 ? blk : (req > base ? before : nb_before);
-    int last = (blk > 0 && end_blk != here) ? 1 : 0;
-    if (begin_req == end_req) first = last = (first | last);
-    if (lane < 8) {
-      const int v = lane == 0 ? begin_req : lane == 1 ? end_req : lane == 2 ? begin_blk : lane == 3 ? end_blk
-                  : lane == 4 ? begin_split : lane == 5 ? first : lane == 6 ? last : 0;
-      p.sched[(int64_t)part * 8 + lane] = v;
+    const int blk = x - cj;
+    const int bi = blk > 0 ? j - base : j - base - 1;  // blocks(j) when split, else blocks(j - 1)
+    const int bv = (int)shfl_idx_u32((uint32_t)nblk, bi > 0 ? bi : 0);
+    if (lane == 0) {
+      int32_t* row = p.sched + (int64_t)part * 8;
+      row[4] = j;
+      row[5] = blk;
+      row[6] = bi >= 0 ? bv : nb_before;
+      row[7] = begin_split;
     }
   }
   for (int i = req + 1 + lane; i <= b; i += 32) p.num_splits[i] = 0;
+  syncwarp();  // (orders lane 0's scratch before the other lanes read it)
+  // ---- the records, 32 parts at a time: part k begins where part k - 1 ended
+  int pj = 0, pblk = 0;
+  for (int k0 = 0; k0 < parts; k0 += 32) {
+    const int k = k0 + lane;
+    int32_t* row = p.sched + (int64_t)k * 8;
+    int j = 0, blk = 0, nb = 0, bsplit = 0;
+    if (k < parts) {
+      j = row[4];
+      blk = row[5];
+      nb = row[6];
+      bsplit = row[7];
+    }
+    const int qj = (int)shfl_idx_u32((uint32_t)j, lane > 0 ? lane - 1 : 0);
+    const int qb = (int)shfl_idx_u32((uint32_t)blk, lane > 0 ? lane - 1 : 0);
+    const int begin_req = lane > 0 ? qj : pj, begin_blk = lane > 0 ? qb : pblk;
+    pj = (int)shfl_idx_u32((uint32_t)j, 31);
+    pblk = (int)shfl_idx_u32((uint32_t)blk, 31);
+    syncwarp();  // every read of these rows before any write
+    if (k < parts) {
+      const int end_req = blk > 0 ? j : j - 1, end_blk = blk > 0 ? blk : nb;
+      int first = begin_blk != 0 ? 1 : 0, last = (blk > 0 && end_blk != nb) ? 1 : 0;
+      if (begin_req == end_req) first = last = (first | last);
+      row[0] = begin_req;
+      row[1] = end_req;
+      row[2] = begin_blk;
+      row[3] = end_blk;
+      row[4] = bsplit;
+      row[5] = first;
+      row[6] = last;
+      row[7] = 0;
+    }
+  }
 }
 
 // device_plan == 0: copy the plan computed elsewhere (the JAX planner) into the plan results.
