@@ -83,6 +83,17 @@ inline int64_t fp8_page_bytes(int64_t block_size) {
 }
 
 constexpr int64_t kMaxI32 = 2147483647;
+// The split planner's positions (kernels.cuh, plan_warp) reach twice the plan's total cost
+// sum_i(blocks(i) + overhead) in int32: bound it by every request at its longest.
+inline std::string check_plan_cost(int64_t b, int64_t topk, int64_t extra_topk, bool has_extra, int64_t overhead) {
+  const int64_t t = topk > 1 ? topk : 1;
+  const int64_t len = has_extra ? (t + 63) / 64 * 64 + extra_topk : t;
+  const int64_t worst = b * ((len + 63) / 64 + overhead);
+  if (worst >= (int64_t)1 << 30)
+    return cat("split plan too large: b * (blocks per request + ", overhead, ") = ", worst,
+               " blocks may reach 2^30 (b = ", b, ", topk = ", topk, ", extra topk = ", extra_topk, ")");
+  return "";
+}
 
 // A paged cache + its indices/lengths. `which` is "kv_cache" or "extra_kv_cache".
 inline std::string make_pool(const char* which, const char* idx_name, const char* len_name, const TensorView& cache,
@@ -201,6 +212,8 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->sink = static_cast<const float*>(sink.data);
   p->sched = static_cast<const int32_t*>(sched.data);
   p->num_splits = static_cast<const int32_t*>(nsplit.data);
+  if (!(e = check_plan_cost(b, p->main.topk, has_extra ? p->extra.topk : 0, has_extra, kPlanFixedOverhead)).empty())
+    return e;
   plan->lengths = p->main.lengths;
   plan->extra_lengths = has_extra ? p->extra.lengths : p->main.lengths;
   plan->sched = static_cast<int32_t*>(sched.data);
@@ -252,6 +265,7 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
   if (sched.dims[0] < 1 || sched.dims[0] > 65535) return "tile_scheduler_metadata: expected 1..65535 parts";
   if (!(e = expect("num_splits", nsplit, DType::kS32, 1)).empty()) return e;
   if (!(e = expect_dims("num_splits", nsplit, {b + 1})).empty()) return e;
+  if (!(e = check_plan_cost(b, topk, has_extra ? extra_topk : 0, has_extra != 0, fixed_overhead)).empty()) return e;
   *plan = PlanParams{};
   plan->lengths = static_cast<const int32_t*>(tl.data);
   plan->extra_lengths = has_extra ? static_cast<const int32_t*>(etl.data) : plan->lengths;

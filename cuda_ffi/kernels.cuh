@@ -1783,7 +1783,7 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
 // then splits the next one when more than ov is left.
 // Records: [begin_req, end_req, begin_blk, end_blk, begin_split, first_split, last_split, 0];
 // num_splits[0] = 0, num_splits[i + 1] = cumulative pieces of requests 0..i (0 for requests
-// no part reached, as in the JAX version). Assumes sum_i(blocks(i) + ov) < 2^31.
+// no part reached, as in the JAX version). sum_i(blocks(i) + ov) < 2^30 (host_params.h, check_plan_cost).
 //
 // The walk is serial over the parts but not over the requests: with C[i] = sum_{k<i}(blocks(k) + ov), a part
 // starting at block blk of request r may reach the cost position T = C[r] + blk + budget, and takes whole every

@@ -610,6 +610,18 @@ def test_emulated_planner_clamps_like_the_kernel(emu):
     np.testing.assert_array_equal(splits, np.asarray(want[1]))
 
 
+def test_emulated_planner_refuses_plans_past_its_int32_positions(emu):
+    # the planner's positions reach twice the plan's total cost in int32: a plan that could pass 2^30 blocks
+    # is refused by the handler's checks before any kernel runs
+    from cuda_ffi.emulate import plan_emulated
+
+    tl = np.zeros(32, np.int32)
+    with pytest.raises(ValueError, match=r"split plan too large: b \* \(blocks per request \+ 5\) = 1073741984"):
+        plan_emulated(tl, topk=(1 << 31) - 1, num_sm_parts=4)
+    meta, splits = plan_emulated(tl, topk=(1 << 31) - 1 - 64 * 32, num_sm_parts=4)  # just below: planned
+    assert splits.shape == (33,) and meta.shape == (4, 8)
+
+
 def test_emulated_decode_returns_its_plan(emu):
     # the decode FFI contract: the plan the kernels used comes back; device and jax plans agree, and so do
     # the outputs (bitwise: same plan, same accumulation order)
