@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,16 +22,21 @@ from tests.attention_cases import (
 )
 
 
+def _seed(name: str) -> int:
+    # a stable seed per case (str hash() is salted per process: a rare draw near the tolerance made CI flaky)
+    return zlib.crc32(name.encode())
+
+
 @pytest.mark.parametrize("name,kw", DECODE_GRID, ids=[n for n, _ in DECODE_GRID])
 def test_decode_reference_matches_oracle(name, kw):
-    case = make_decode_case(hash(name) % 2**31, **kw)
+    case = make_decode_case(_seed(name), **kw)
     out, lse = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="xla"))(*case.args())
     case.check(out, lse, name)
 
 
 @pytest.mark.parametrize("name,kw", PREFILL_GRID, ids=[n for n, _ in PREFILL_GRID])
 def test_prefill_reference_matches_oracle(name, kw):
-    case = make_prefill_case(hash(name) % 2**31, **kw)
+    case = make_prefill_case(_seed(name), **kw)
     case.check(jax.jit(lambda *a: d.sparse_mla_prefill(*a, **case.kwargs(), impl="xla"))(*case.args()), name)
 
 
