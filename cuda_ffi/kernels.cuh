@@ -1204,7 +1204,8 @@ struct NoSide {
 // reusing one needs no barrier of its own: tile tc is filled only after every consumer thread
 // released tile tc - 2 (EMPTY), i.e. after warpgroup 1's PV of tile tc - 2 completed. The default
 // for prefill and a pair's decode (test_emulated_flipped_consumer_shapes flips both).
-// Experiments for warpgroup 0's softmax (ready, not measured): DSV41_EXP_STSM_P stores P with 4 stmatrix.x4
+// Experiments for warpgroup 0's softmax, both measured slower (346.8 and 349.7 vs 343.6 us; RESULTS.md,
+// fifteenth session): DSV41_EXP_STSM_P stores P with 4 stmatrix.x4
 // instead of 16 4-byte stores; DSV41_EXP_FUSED_SCALE masks the raw scores and folds the scale into the
 // exponent's FFMA, 2^(s * scale - base) (one multiply less per score; for positive scales only, the
 // maximum of the raw scores then being that of the scaled ones; others take the default path).
