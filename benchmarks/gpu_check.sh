@@ -17,6 +17,14 @@
 #   bench         python -m benchmarks.sparse_mla --quick (every available impl, or $BENCH_IMPLS; $BENCH_FLAGS
 #                 adds flags, e.g. --breakdown: each kernel's CUPTI time)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
+#   bench-flashmla  python -m benchmarks.sparse_mla --suite flashmla ($FM_CASES, default decode,prefill; $BENCH_IMPLS)
+#   bench-step    python -m benchmarks.sparse_mla --suite step ($STEP_BATCHES, default 64,128)
+#   flashmla      FlashMLA for measurement only, from the source tarball $FLASHMLA_TGZ (default
+#                 .flashmla/flashmla_src.tgz: FlashMLA + cutlass headers, git-ignored, passed with the device
+#                 tool's `carry`) into /tmp/FlashMLA, SM90 only; a prebuilt extension $FLASHMLA_SO (default
+#                 .flashmla/flash_mla_cuda.so, in pieces .part00, .part01, ...) skips the build; a fresh build goes to
+#                 $OUT in such pieces for the next call
+#   compare       python -m benchmarks.flashmla_compare (after `flashmla`): FlashMLA and ours on the same inputs
 #   bench-rows    the cuda prefill with kv rows forced to bf16 (producers convert) and to f16 (the wrapper
 #                 converts; seesaw.cuh), $ROWS_CASES (default prefill_h128_topk2048); not recorded
 #   sanitizer     compute-sanitizer memcheck over one cuda decode and one prefill
@@ -101,6 +109,26 @@ for s in "${stages[@]}"; do
     bench-rows) for rows in bf16 f16; do echo "--- prefill kv rows: $rows"
         DSV41_CUDA_PREFILL_ROWS=$rows run timeout 300 $PY -m benchmarks.sparse_mla --impls cuda --cases "${ROWS_CASES:-prefill_h128_topk2048}" \
           --out "$OUT/rows_$rows" 2>&1 | grep -E "^(prefill|!!!)"; done ;;
+    bench-flashmla) run timeout 560 $PY -m benchmarks.sparse_mla --suite flashmla --cases "${FM_CASES:-decode,prefill}" \
+        ${BENCH_IMPLS:+--impls $BENCH_IMPLS} ${BENCH_FLAGS:-} --out "$OUT/fm" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_flashmla.log" ;;
+    bench-step) run timeout 560 $PY -m benchmarks.sparse_mla --suite step --step-batches "${STEP_BATCHES:-64,128}" \
+        ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT/step" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_step.log" ;;
+    flashmla)
+      rm -rf /tmp/FlashMLA && tar xzf "${FLASHMLA_TGZ:-.flashmla/flashmla_src.tgz}" -C /tmp
+      so="/tmp/FlashMLA/flash_mla/cuda$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+      pre="${FLASHMLA_SO:-.flashmla/flash_mla_cuda.so}"
+      if [ -f "$pre.part00" ]; then cat "$pre".part* > "$so"
+      else
+        cuda_home="$(dirname "$(dirname "$(readlink -f "$(which nvcc)")")")"
+        (cd /tmp/FlashMLA && CUDA_HOME="$cuda_home" CPATH="$cuda_home/include/cccl" NVCC_APPEND_FLAGS="-I$cuda_home/include/cccl" \
+          FLASH_MLA_DISABLE_SM100=1 MAX_JOBS=16 NVCC_THREADS=2 timeout 500 $PY setup.py build_ext --inplace > "$OUT/flashmla_build.log" 2>&1) \
+          || { echo "!!! FlashMLA build failed"; tail -20 "$OUT/flashmla_build.log"; status=1; }
+        [ -f "$so" ] && split -b 15m -d "$so" "$OUT/flash_mla_cuda.so.part"  # (the device tool returns files of 16 MiB)
+      fi
+      export PYTHONPATH="/tmp/FlashMLA:$PYTHONPATH"
+      $PY -c "import flash_mla; print('flash_mla', flash_mla.__file__)" ;;
+    compare) run timeout 560 $PY -m benchmarks.flashmla_compare --cases "${FM_CASES:-decode,prefill}" ${BENCH_IMPLS:+--impls $BENCH_IMPLS} \
+        --out "$OUT/cmp" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/compare.log" ;;
     bench-full) run timeout 560 $PY -m benchmarks.sparse_mla --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
     sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m cuda_ffi.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
     sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;

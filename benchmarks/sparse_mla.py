@@ -2,6 +2,14 @@
 
     python -m benchmarks.sparse_mla [--impls xla,pallas,cuda] [--cases decode,prefill] [--quick]
                                     [--out bench_out] [--record benchmarks/RESULTS.md] [--breakdown]
+    python -m benchmarks.sparse_mla --suite flashmla [--cases decode,prefill,<names>] [--impls cuda]
+    python -m benchmarks.sparse_mla --suite step [--step-batches 64,128] [--impls cuda]
+
+Suites: "default" (the cases below); "flashmla" (FlashMLA's own V4 decode and prefill performance cases
+and inputs, `benchmarks/flashmla_cases.py`, each call after an L2 flush; decode over a plan made once and
+reused, as FlashMLA reuses its metadata, and for "cuda" also with the plan made in the call); "step" (one
+V4.1-Flash decode step's attention, `benchmarks/step_attention.py`). `benchmarks/flashmla_compare.py` runs
+the flashmla cases beside FlashMLA itself.
 
 Device-side timing with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`: the sum of the
 kernels each call launches, so host dispatch is excluded); wall clock with block_until_ready as a
@@ -218,6 +226,105 @@ def _plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_flashmla_case(case, impl: str, iterations: int, breakdown: bool = False, inputs: dict | None = None) -> dict:
+    """One FlashMLA case (`benchmarks.flashmla_cases`): decode over a plan made once (and, for cuda, also with
+    the plan made in the call: key "us_noplan"), or prefill; CUPTI kernel time per call after an L2 flush.
+    inputs: the case's draw (default: drawn here)."""
+    import jax
+    import jax.numpy as jnp
+
+    import dsv41_jax as d
+    from benchmarks import flashmla_cases as F
+    from benchmarks.cupti import kernel_times
+
+    holder = {"flush": jnp.zeros((64 << 20,), jnp.uint32)}  # 256 MB, several times the L2
+    flush_fn = jax.jit(lambda b: b + 1, donate_argnums=0)
+
+    def flush():
+        holder["flush"] = flush_fn(holder["flush"])
+
+    def timed(f, *args):
+        def run():
+            holder["v"] = f(*args)
+
+        return kernel_times(run, sync=lambda: jax.block_until_ready((holder.get("v"), holder["flush"])),
+                            iterations=iterations, flush=flush)
+
+    res = dict(case=case.name, impl=impl, config=dataclasses.asdict(case))
+    if isinstance(case, F.DecodeCase):
+        op = "decode"
+        x = inputs or F.decode_inputs(case)
+        kw = dict(kv_format="fp8_ds_mla", block_size=case.block_size, softmax_scale=x["softmax_scale"], impl=impl)
+        if case.extra_topk:
+            kw.update(extra_kv_format="fp8_ds_mla", extra_block_size=case.extra_block_size)
+        f = jax.jit(lambda plan, q, c, i, s, ec, ei, el: d.sparse_mla_decode(
+            q, c, i, None, attn_sink=s, extra_kv_cache=ec, extra_indices=ei, extra_topk_length=el, plan=plan, **kw))
+        el = x["extra_topk_length"]
+        plan = jax.block_until_ready(d.make_decode_plan(
+            jnp.full((case.b,), case.topk, jnp.int32), s_q=case.s_q, num_heads=case.h_q, topk=case.topk,
+            extra_topk_length=el, extra_topk=case.extra_topk))
+        args = (x["q"], x["kv_cache"], x["indices"], x["attn_sink"], x["extra_kv_cache"], x["extra_indices"], el)
+        us, kernels = timed(f, plan, *args)
+        if impl == "cuda":
+            res["us_noplan"], res["kernels_noplan"] = timed(f, None, *args)
+    else:
+        op = "prefill"
+        x = inputs or F.prefill_inputs(case)
+        f = jax.jit(lambda q, kv, i, s: d.sparse_mla_prefill(q, kv, i, softmax_scale=x["softmax_scale"], attn_sink=s,
+                                                             impl=impl))
+        us, kernels = timed(f, x["q"], x["kv"], x["indices"], x["attn_sink"])
+    res.update(op=op, us=us, ms=us / 1e3, flops=x["flops"], bytes=x["bytes"], tflops=x["flops"] / us / 1e6,
+               gbps=x["bytes"] / us / 1e3)
+    res.update(frac_flops=res["tflops"] / PEAK_TFLOPS, frac_bw=res["gbps"] / PEAK_GBPS, spread=0.0)
+    if breakdown:
+        res["kernels"] = kernels
+    return res
+
+
+def _flashmla_suite(args, impls) -> list[dict]:
+    from benchmarks import flashmla_cases as F
+
+    wanted = set(args.cases.split(","))
+    cases = [c for c in F.DECODE_CASES if "decode" in wanted or c.name in wanted]
+    cases += [c for c in F.PREFILL_CASES if "prefill" in wanted or c.name in wanted]
+    results = []
+    for c in cases:
+        for impl in impls:
+            try:
+                r = run_flashmla_case(c, impl, args.iterations, breakdown=args.breakdown)
+            except Exception as e:
+                print(f"{c.name:44s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            results.append(r)
+            noplan = f"  (plan in the call {r['us_noplan']:8.1f} us)" if "us_noplan" in r else ""
+            print(f"{c.name:44s} {impl:7s} {r['us']:9.1f} us {r['tflops']:7.1f} TFLOP/s {r['gbps']:6.0f} GB/s{noplan}",
+                  flush=True)
+            for name, us in sorted(r.get("kernels", {}).items(), key=lambda kv: -kv[1]):
+                print(f"    kernel {us:10.1f} us  {name[:100]}", flush=True)
+    return results
+
+
+def _step_suite(args, impls) -> list[dict]:
+    from benchmarks.step_attention import run_step
+
+    results = []
+    for b in (int(x) for x in args.step_batches.split(",")):
+        for impl in impls:
+            try:
+                r = run_step(b, impl, iterations=args.iterations)
+            except Exception as e:
+                print(f"step_v41_flash_b{b} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            r["case"], r["us"] = f"step_v41_flash_b{b}", r["step_us"]
+            results.append(r)
+            print(f"step_v41_flash_b{b:<4d} {impl:7s} step {r['step_us']:9.1f} us = metadata {r['metadata_us']:7.1f} + "
+                  f"attention {r['attention_us']:9.1f} us; the {r['layers']} calls alone {r['calls_us']:9.1f} us "
+                  f"(attention / calls {r['ratio']:.3f})", flush=True)
+            for name, us in sorted(r["metadata_kernels"].items(), key=lambda kv: -kv[1]):
+                print(f"    metadata kernel {us:8.2f} us  {name[:90]}", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default=None, help="comma list (default: every registered implementation)")
@@ -231,6 +338,8 @@ def main(argv=None) -> int:
                     help="auto: CUPTI on GPUs; wall: wall clock (under ncu)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print the CUPTI time of each kernel a call launches (CUPTI timing only)")
+    ap.add_argument("--suite", choices=("default", "flashmla", "step"), default="default")
+    ap.add_argument("--step-batches", default="64,128", help="requests of the step suite")
     args = ap.parse_args(argv)
 
     import jax
@@ -249,8 +358,13 @@ def main(argv=None) -> int:
         ap.error(f"--breakdown needs CUPTI timing, got {method!r} (a GPU, and no --timer wall)")
     dev = jax.devices()[0]
     device = getattr(dev, "device_kind", dev.platform)
-    print(f"# device: {device}; timing: {method}; jax {jax.__version__}; commit {git_commit()}")
+    print(f"# device: {device}; timing: {method}; jax {jax.__version__}; commit {git_commit()}; suite {args.suite}")
     results = []
+    if args.suite != "default":
+        if method != "cupti":
+            ap.error(f"--suite {args.suite} needs CUPTI timing (a GPU), got {method!r}")
+        cases = []
+        results = (_flashmla_suite if args.suite == "flashmla" else _step_suite)(args, impls)
     for c in cases:
         for impl in impls:
             table = d.attention.decode_impls() if c.op == "decode" else d.attention.prefill_impls()
@@ -271,12 +385,18 @@ def main(argv=None) -> int:
                 jax=jax.__version__, command="python -m benchmarks.sparse_mla " + " ".join(argv or sys.argv[1:]))
     with open(os.path.join(args.out, "sparse_mla.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
-    _plot(results, os.path.join(args.out, "roofline.png"))
+    _plot([r for r in results if "flops" in r], os.path.join(args.out, "roofline.png"))
     if args.record and results:
         with open(args.record, "a") as f:
             for r in results:
-                f.write(f"| {meta['date']} | {meta['commit']} | {device} | {r['case']} | {r['impl']} | {r['us']:.1f} | "
-                        f"{r['tflops']:.1f} | {r['gbps']:.0f} | `{meta['command']}` |\n")
+                if "flops" in r:
+                    extra = f" (plan in the call: {r['us_noplan']:.1f} us)" if "us_noplan" in r else ""
+                    nums = f"{r['us']:.1f}{extra} | {r['tflops']:.1f} | {r['gbps']:.0f}"
+                else:  # the step suite
+                    nums = (f"{r['us']:.1f} (metadata {r['metadata_us']:.1f}, attention {r['attention_us']:.1f}, "
+                            f"calls alone {r['calls_us']:.1f}) | - | -")
+                f.write(f"| {meta['date']} | {meta['commit']} | {device} | {r['case']} | {r['impl']} | {nums} | "
+                        f"`{meta['command']}` |\n")
     print(f"# wrote {args.out}/sparse_mla.json and {args.out}/roofline.png")
     return 0
 

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from cuda_ffi import _ops
-from cuda_ffi._ops import DECODE_TARGET, PREFILL_TARGET, decode_supports, prefill_supports
+from cuda_ffi._ops import DECODE_TARGET, PLAN_TARGET, PREFILL_TARGET, decode_supports, prefill_supports
 
 __all__ = [
     "library_path",
@@ -38,13 +38,15 @@ __all__ = [
     "decode_supports",
     "prefill_supports",
     "DECODE_TARGET",
+    "PLAN_TARGET",
     "PREFILL_TARGET",
     "EXPORTED_SYMBOLS",
     "refresh",
 ]
 
-ABI_VERSION = 2
-EXPORTED_SYMBOLS = {DECODE_TARGET: "Dsv41SparseMlaDecode", PREFILL_TARGET: "Dsv41SparseMlaPrefill"}
+ABI_VERSION = 3
+EXPORTED_SYMBOLS = {DECODE_TARGET: "Dsv41SparseMlaDecode", PLAN_TARGET: "Dsv41PlanDecodeSplits",
+                    PREFILL_TARGET: "Dsv41SparseMlaPrefill"}
 _DEFAULT_LIB = Path(__file__).resolve().parent / "lib" / "libdsv41_cuda.so"
 
 _lock = threading.Lock()

@@ -3,16 +3,15 @@
 Both kernels work on 64-head groups and 64-token tiles, so the wrapper
 - pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back;
 - pads indices with -1 to a multiple of 64 (at least 64);
-- clamps topk_length / extra_topk_length to [0, topk] (the kernel clamps again);
-- decode: FlashMLA's split plan (`dsv41_jax.scheduler.plan_decode_splits`'s algorithm, from the
-  clamped lengths, `num_sm_parts_for("sm90", num_sms, s_q, h_q)` parts) is computed by a
-  one-warp planner kernel that the FFI handler enqueues before the decode kernel
-  (`plan="device"`, the default: no XLA loops, no host round trip); `plan="jax"` computes it
-  with `plan_decode_splits` in XLA and passes it in (the handler copies it). Either way the plan
-  the kernels used comes back as two extra FFI results, `tile_scheduler_metadata int32[parts, 8]`
-  and `num_splits int32[b + 1]`;
-- passes the split accumulators `o_accum f32[b + parts, s_q, h_pad, 512]` and `lse_accum` as
-  extra FFI results (no allocation inside the handler; command-buffer compatible);
+- passes lengths and sinks as they are (the kernels clamp lengths to [0, topk]); absent lengths are a
+  constant `[topk]` (one length for every row), an absent sink an empty operand, so a call adds no
+  XLA work around the kernels;
+- decode: runs over a split plan (`dsv41_jax.plans.DecodePlan`): the call's own, or, when none is
+  given, one made in the call: the batch-invariant constant, or FlashMLA's plan from the one-warp
+  planner kernel (`PLAN_TARGET`, `plan_on_device`; `planner="jax"`: `plan_decode_splits` in XLA);
+- passes the split accumulators `o_accum f32[b + parts, s_q, h_pad, 512]` and `lse_accum` as extra FFI
+  results (no allocation inside the handler; command-buffer compatible); a plan without split-KV
+  (batch-invariant) gets one slot and no combine kernel;
 - prefill: converts kv to f16 (saturating) when `prefill_kv_f16` says the rows are re-read often enough; the
   handler then runs the f16-row kernel (`seesaw.cuh` on sm_90a).
 Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h_q, 512], lse f32
@@ -21,7 +20,6 @@ Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -30,14 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.kv_cache import f16_rows_pay, to_f16_saturating
-from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
+from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans
+from dsv41_jax.scheduler import default_num_sms, num_sm_parts_for
 
 DECODE_TARGET = "dsv41_sparse_mla_decode"
+PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
 HEAD_DIM = 512
 GROUP = 64
 FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
-DEFAULT_NUM_SMS = 132
+MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)
+PLANNERS = ("device", "jax")
 
 
 # ------------------------------------------------------------------------------ checks
@@ -93,89 +94,119 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _sink(sink: jax.Array | None, h_q: int, h_pad: int) -> jax.Array:
-    s = jnp.full((h_q,), -jnp.inf, jnp.float32) if sink is None else jnp.asarray(sink, jnp.float32)
-    return _pad_axis(s, 0, h_pad, -jnp.inf)
+    """The sink operand: f32 [h_pad] (-inf for padded heads), or [0] for no sink."""
+    if sink is None:
+        return jnp.zeros((0,), jnp.float32)
+    _require("attn_sink", sink, dtype=jnp.float32, ndim=1)
+    return _pad_axis(sink, 0, h_pad, -jnp.inf)
+
+
+def _rows(name: str, x: jax.Array | None, topk: int) -> jax.Array:
+    """A lengths operand: int32 [rows], or the constant [topk] (one length for every row)."""
+    if x is None:
+        return jnp.asarray(np.array([topk], np.int32))
+    _require(name, x, dtype=jnp.int32, ndim=1)
+    return x
 
 
 def _pad_for_kernel(call, *, head_axis: int):
-    """q padded to 64-head groups (sink -inf for the padding), indices to 64-token tiles (-1), lengths
-    clamped to [0, topk]: `(q, sink, indices, lengths, h_pad, topk)`. The last axis of indices is top-k."""
-    if call.attn_sink is not None:
-        _require("attn_sink", call.attn_sink, dtype=jnp.float32, ndim=1)
+    """q padded to 64-head groups (sink -inf for the padding), indices to 64-token tiles (-1):
+    `(q, sink, indices, h_pad)`. The last axis of indices is top-k."""
     h_q = call.q.shape[head_axis]
     h_pad = _round_up(h_q, GROUP)
     qp = _pad_axis(call.q, head_axis, h_pad, 0)
     topk = call.indices.shape[-1]
     idx = _pad_axis(call.indices, call.indices.ndim - 1, _round_up(topk, GROUP), -1)
-    tl = jnp.clip(call.topk_length, 0, topk).astype(jnp.int32)
-    return qp, _sink(call.attn_sink, h_q, h_pad), idx, tl, h_pad, topk
-
-
-@functools.cache
-def default_num_sms() -> int:
-    """SM count of the first GPU (`core_count`), or 132 (H100/H200) when there is none."""
-    try:
-        dev = jax.devices()[0]
-        if dev.platform == "gpu":
-            n = getattr(dev, "core_count", None)
-            if isinstance(n, (int, np.integer)) and n > 0:
-                return int(n)
-    except Exception:
-        pass
-    return DEFAULT_NUM_SMS
+    return qp, _sink(call.attn_sink, h_q, h_pad), idx, h_pad
 
 
 # ------------------------------------------------------------------------------ decode
-PLANS = ("device", "jax")
+def plan_on_device(topk_length: jax.Array, extras: list, *, topk: int, num_sm_parts: int,
+                   fixed_overhead: int = FIXED_OVERHEAD) -> tuple[jax.Array, jax.Array]:
+    """The planner kernel (one warp per plan, one launch): FlashMLA's plans of `len(extras)` layer types
+    over the same requests. topk_length int32 [b]; extras[j] = (extra_topk_length int32 [b] or None,
+    extra_topk) or (None, None) for no extra cache. Returns `(tile_scheduler_metadata int32 [n, parts, 8],
+    num_splits int32 [n, b + 1])`, bit-identical to `plan_decode_splits` of the clamped lengths."""
+    from cuda_ffi import ensure_registered
+
+    n = len(extras)
+    if not 1 <= n <= MAX_PLANS:
+        raise ValueError(f"cuda: plan_on_device takes 1..{MAX_PLANS} plans, got {n}")
+    _require("topk_length", topk_length, dtype=jnp.int32, ndim=1)
+    b = topk_length.shape[0]
+    has = [et is not None for _, et in extras]
+    if any(el is not None for el, _ in extras):  # one row per plan: the lengths, or extra_topk for all
+        etl = jnp.stack([el if el is not None else jnp.full((b,), et or 0, jnp.int32) for el, et in extras])
+    else:  # one length per plan
+        etl = jnp.asarray(np.array([[et or 0] for _, et in extras], np.int32))
+    results = (jax.ShapeDtypeStruct((n, num_sm_parts, 8), jnp.int32), jax.ShapeDtypeStruct((n, b + 1), jnp.int32))
+    ensure_registered()
+    return jax.ffi.ffi_call(PLAN_TARGET, results)(
+        topk_length, etl, topk=np.int64(topk), extra_topk=np.array([et or 0 for _, et in extras], np.int64),
+        has_extra=np.array(has, np.int64), fixed_overhead=np.int64(fixed_overhead))
 
 
-def prepare_decode(call, *, num_sms: int | None = None, plan: str = "device") -> tuple[tuple, dict, tuple, dict]:
-    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) for a checked `DecodeCall`.
+def call_plan(call, *, num_sms: int | None = None, planner: str = "device") -> DecodePlan:
+    """The plan the cuda decode of `call` runs over: the call's own (checked against this device), the
+    batch-invariant constant, or FlashMLA's plan made now by `planner` ("device": the planner kernel;
+    "jax": `plan_decode_splits` in XLA)."""
+    if planner not in PLANNERS:
+        raise ValueError(f"cuda: planner must be one of {PLANNERS}, got {planner!r}")
+    b, s_q, h_q, _ = call.q.shape
+    num_sms = num_sms or default_num_sms()
+    parts = num_sm_parts_for("cuda", num_sms=num_sms, s_q=s_q, h_q=h_q)
+    if call.plan is not None:
+        call.plan.check_parts(parts, impl="cuda", num_sms=num_sms, num_heads=h_q)
+        return call.plan
+    topk = call.indices.shape[2]
+    tl = call.topk_length if call.topk_length is not None else jnp.full((b,), topk, jnp.int32)
+    extra = None
+    if call.has_extra:
+        extra = (call.extra_topk_length, call.extra_indices.shape[2])
+    return make_plans(tl, {"p": extra}, s_q=s_q, num_heads=h_q, topk=topk, num_sms=num_sms,
+                      batch_invariant=call.batch_invariant, planner=planner)["p"]
 
-    plan="device": the handler's planner kernel computes the split plan; "jax": `plan_decode_splits`."""
-    if plan not in PLANS:
-        raise ValueError(f"cuda: plan must be one of {PLANS}, got {plan!r}")
-    q = call.q
-    _require("q", q, dtype=jnp.bfloat16, ndim=4)
-    b, s_q, h_q, d = q.shape
-    if d != HEAD_DIM:
-        raise ValueError(f"cuda: q's head dim must be {HEAD_DIM}, got shape {tuple(q.shape)}")
+
+def _check_decode(call) -> None:
+    _require("q", call.q, dtype=jnp.bfloat16, ndim=4)
+    if call.q.shape[3] != HEAD_DIM:
+        raise ValueError(f"cuda: q's head dim must be {HEAD_DIM}, got shape {tuple(call.q.shape)}")
     _check_cache("kv_cache", call.kv_cache, call.kv_format, call.block_size)
     _require("indices", call.indices, dtype=jnp.int32, ndim=3)
-    _require("topk_length", call.topk_length, dtype=jnp.int32, ndim=1)
-    qp, sink, idx, tl, h_pad, topk = _pad_for_kernel(call, head_axis=2)
-    parts = num_sm_parts_for("sm90", num_sms=num_sms or default_num_sms(), s_q=s_q, h_q=h_q)
     if call.has_extra:
         _check_cache("extra_kv_cache", call.extra_kv_cache, call.extra_kv_format, call.extra_block_size)
         _require("extra_indices", call.extra_indices, dtype=jnp.int32, ndim=3)
-        _require("extra_topk_length", call.extra_topk_length, dtype=jnp.int32, ndim=1)
+
+
+def prepare_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) of a checked `DecodeCall` over `plan`."""
+    _check_decode(call)
+    b, s_q, h_q, _ = call.q.shape
+    qp, sink, idx, h_pad = _pad_for_kernel(call, head_axis=2)
+    tl = _rows("topk_length", call.topk_length, call.indices.shape[2])
+    if call.has_extra:
         etopk = call.extra_indices.shape[2]
         eidx = _pad_axis(call.extra_indices, 2, _round_up(etopk, GROUP), -1)
-        etl = jnp.clip(call.extra_topk_length, 0, etopk).astype(jnp.int32)
+        etl = _rows("extra_topk_length", call.extra_topk_length, etopk)
         ekv = call.extra_kv_cache
         efmt, ebs = FORMAT_CODES[call.extra_kv_format], int(call.extra_block_size)
     else:
         ekv = jnp.zeros((1, 1), jnp.uint8)
         eidx = jnp.full((1, 1, 1), -1, jnp.int32)
-        etl = jnp.zeros((1,), jnp.int32)
+        etl = jnp.asarray(np.zeros((1,), np.int32))
         efmt, ebs = 0, 1
-    if plan == "jax":
-        meta, splits = plan_decode_splits(tl, topk=topk, num_sm_parts=parts,
-                                          extra_topk_length=etl if call.has_extra else None)
-    else:  # placeholders: the handler plans on the device and ignores these inputs
-        meta, splits = jnp.zeros((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32)
+    meta, splits = plan
+    parts = meta.shape[0]
+    slots = 1 if plan.batch_invariant else b + parts
     args = (qp, call.kv_cache, idx, tl, sink, meta, splits, ekv, eidx, etl)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale), kv_format=np.int64(FORMAT_CODES[call.kv_format]),
                  block_size=np.int64(call.block_size), has_extra=np.int64(1 if call.has_extra else 0),
-                 extra_kv_format=np.int64(efmt), extra_block_size=np.int64(ebs),
-                 device_plan=np.int64(1 if plan == "device" else 0))
+                 extra_kv_format=np.int64(efmt), extra_block_size=np.int64(ebs))
     results = (
         jax.ShapeDtypeStruct((b, s_q, h_pad, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((b, s_q, h_pad), jnp.float32),
-        jax.ShapeDtypeStruct((b + parts, s_q, h_pad, HEAD_DIM), jnp.float32),
-        jax.ShapeDtypeStruct((b + parts, s_q, h_pad), jnp.float32),
-        jax.ShapeDtypeStruct((parts, 8), jnp.int32),
-        jax.ShapeDtypeStruct((b + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((slots, s_q, h_pad, HEAD_DIM), jnp.float32),
+        jax.ShapeDtypeStruct((slots, s_q, h_pad), jnp.float32),
     )
     return args, attrs, results, dict(h_q=h_q, h_pad=h_pad, num_parts=parts)
 
@@ -185,26 +216,22 @@ def _empty_decode(call):
     return jnp.zeros((b, s_q, h_q, d), jnp.bfloat16), jnp.full((b, s_q, h_q), jnp.inf, jnp.float32)
 
 
-def decode_with_plan(call, *, plan: str = "device", num_sms: int | None = None):
-    """`(out, lse, tile_scheduler_metadata, num_splits)`: the decode and the split plan it used
-    (b >= 1 and s_q >= 1)."""
+def decode(call, *, planner: str = "device", num_sms: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """`impl="cuda"` sparse decode of a checked `DecodeCall`: `(out, lse)` like the xla reference, over
+    `call_plan(call, ...)`."""
     from cuda_ffi import ensure_registered
 
-    args, attrs, results, info = prepare_decode(call, num_sms=num_sms, plan=plan)
-    ensure_registered()
-    out, lse, _, _, meta, splits = jax.ffi.ffi_call(DECODE_TARGET, results)(*args, **attrs)
-    h_q = info["h_q"]
-    if info["h_pad"] != h_q:
-        out, lse = out[:, :, :h_q], lse[:, :, :h_q]
-    return out, lse, meta, splits
-
-
-def decode(call, *, plan: str = "device") -> tuple[jax.Array, jax.Array]:
-    """`impl="cuda"` sparse decode of a checked `DecodeCall`: `(out, lse)` like the xla reference."""
+    _check_decode(call)
     b, s_q = call.q.shape[:2]
     if b == 0 or s_q == 0:
         return _empty_decode(call)
-    out, lse, _, _ = decode_with_plan(call, plan=plan)
+    plan = call_plan(call, num_sms=num_sms, planner=planner)
+    args, attrs, results, info = prepare_decode(call, plan)
+    ensure_registered()
+    out, lse, _, _ = jax.ffi.ffi_call(DECODE_TARGET, results)(*args, **attrs)
+    h_q = info["h_q"]
+    if info["h_pad"] != h_q:
+        out, lse = out[:, :, :h_q], lse[:, :, :h_q]
     return out, lse
 
 
@@ -235,11 +262,11 @@ def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, t
     if call.kv.shape[1] != HEAD_DIM:
         raise ValueError(f"cuda: kv must be [s_kv, {HEAD_DIM}], got {tuple(call.kv.shape)}")
     _require("indices", call.indices, dtype=jnp.int32, ndim=2)
-    _require("topk_length", call.topk_length, dtype=jnp.int32, ndim=1)
-    qp, sink, idx, tl, h_pad, topk = _pad_for_kernel(call, head_axis=1)
+    qp, sink, idx, h_pad = _pad_for_kernel(call, head_axis=1)
     if kv_f16 is None:
         kv_f16 = prefill_kv_f16(call.kv.shape[0], s_q, idx.shape[1], h_pad // GROUP)
-    args = (qp, to_f16_saturating(call.kv) if kv_f16 else call.kv, idx, tl, sink)
+    args = (qp, to_f16_saturating(call.kv) if kv_f16 else call.kv, idx,
+            _rows("topk_length", call.topk_length, call.indices.shape[1]), sink)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale))
     results = (
         jax.ShapeDtypeStruct((s_q, h_pad, HEAD_DIM), jnp.bfloat16),

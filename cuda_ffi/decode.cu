@@ -12,12 +12,9 @@ __global__ void __launch_bounds__(kThreads, 1) dsv41_decode_kernel(const __grid_
   decode_cta<kPair>(p, smem);
 }
 
-__global__ void __launch_bounds__(kPlanThreads) dsv41_plan_kernel(const __grid_constant__ PlanParams p) {
-  plan_warp(p, lane_idx());
-}
-
-__global__ void __launch_bounds__(256) dsv41_plan_copy_kernel(const __grid_constant__ PlanParams p) {
-  plan_copy(p, thread_idx(), 256);
+// One warp per plan of the batch.
+__global__ void __launch_bounds__(kPlanThreads) dsv41_plan_kernel(const __grid_constant__ PlanBatch p) {
+  plan_warp(p.plan[block_idx()], lane_idx());
 }
 
 __global__ void __launch_bounds__(kCombineThreads) dsv41_combine_kernel(const __grid_constant__ DecodeParams p) {
@@ -40,7 +37,13 @@ cudaError_t ensure_smem_limit(const void* func, int bytes, unsigned long long* d
   return cudaSuccess;
 }
 
-cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStream_t stream) {
+cudaError_t launch_plans(const PlanBatch& plans, cudaStream_t stream) {
+  if (plans.count <= 0) return cudaSuccess;
+  dsv41_plan_kernel<<<(unsigned)plans.count, kPlanThreads, 0, stream>>>(plans);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   static unsigned long long done[2] = {0, 0};
   const long long grid = (long long)p.num_groups * p.s_q * p.num_parts;
   if (grid <= 0 || p.b <= 0) return cudaSuccess;
@@ -48,14 +51,9 @@ cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStr
   auto* kernel = pair ? dsv41_decode_kernel<true> : dsv41_decode_kernel<false>;
   cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
   if (e != cudaSuccess) return e;
-  if (plan.device_plan)
-    dsv41_plan_kernel<<<1, kPlanThreads, 0, stream>>>(plan);
-  else
-    dsv41_plan_copy_kernel<<<1, 256, 0, stream>>>(plan);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
   e = launch_attention(kernel, p, grid, pair, stream);
   if (e != cudaSuccess) return e;
+  if (p.num_slots <= 1) return cudaSuccess;  // a plan without split-KV: every request's CTA wrote its output
   const long long cgrid = (long long)p.b * p.s_q * (p.h_pad / 8);
   dsv41_combine_kernel<<<(unsigned)cgrid, kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();

@@ -25,49 +25,40 @@ int report(const std::string& err, char* errbuf, int errlen) {
 
 extern "C" {
 
-int dsv41_emu_abi_version() { return 2; }
+int dsv41_emu_abi_version() { return 3; }
 
-namespace {
-void emu_plan(const dsv41::PlanParams& plan, uint64_t seed, int workers) {
-  if (plan.device_plan)
-    emu::launch(1, dsv41::kPlanThreads, 0, [&plan](char*) { dsv41::plan_warp(plan, dsv41::lane_idx()); }, seed,
-                workers);
-  else
-    emu::launch(1, 256, 0, [&plan](char*) { dsv41::plan_copy(plan, dsv41::thread_idx(), 256); }, seed, workers);
-}
-}  // namespace
-
-// in: 10 tensor views, out: 6 (see make_decode_params). Returns 0 or 1 (message in errbuf).
+// in: 10 tensor views, out: 4 (see make_decode_params): the decode and combine kernels over the given plan.
+// Returns 0 or 1 (message in errbuf).
 int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, float softmax_scale,
                      int64_t kv_format, int64_t block_size, int64_t has_extra, int64_t extra_kv_format,
-                     int64_t extra_block_size, int64_t device_plan, uint64_t seed, int workers, char* errbuf,
-                     int errlen) {
+                     int64_t extra_block_size, uint64_t seed, int workers, char* errbuf, int errlen) {
   dsv41::DecodeParams p{};
-  dsv41::PlanParams plan{};
   std::string err = dsv41::make_decode_params(in, out, softmax_scale, kv_format, block_size, has_extra,
-                                              extra_kv_format, extra_block_size, device_plan, &p, &plan);
+                                              extra_kv_format, extra_block_size, &p);
   if (!err.empty()) return report("dsv41_sparse_mla_decode: " + err, errbuf, errlen);
-  emu_plan(plan, seed + 2, workers);
   const int64_t grid = (int64_t)p.num_groups * p.s_q * p.num_parts;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
                 if (p.pair) dsv41::decode_cta<true>(p, smem);
                 else dsv41::decode_cta<false>(p, smem);
               }, seed,
               workers, p.pair ? 2 : 1);
-  const int64_t cgrid = (int64_t)p.b * p.s_q * (p.h_pad / 8);
-  emu::launch(cgrid, dsv41::kCombineThreads, 0, [&p](char*) { dsv41::combine_cta(p); }, seed + 1, workers);
+  if (p.num_slots > 1) {
+    const int64_t cgrid = (int64_t)p.b * p.s_q * (p.h_pad / 8);
+    emu::launch(cgrid, dsv41::kCombineThreads, 0, [&p](char*) { dsv41::combine_cta(p); }, seed + 1, workers);
+  }
   return 0;
 }
 
-// The split planner alone: topk_length, extra_topk_length (read when has_extra) -> sched, num_splits.
+// The split planner: topk_length, extra_topk_length -> sched, num_splits (see make_plan_params).
 int dsv41_emu_plan(const dsv41::TensorView* tl, const dsv41::TensorView* etl, const dsv41::TensorView* sched,
-                   const dsv41::TensorView* nsplit, int64_t topk, int64_t extra_topk, int64_t has_extra,
-                   int64_t fixed_overhead, uint64_t seed, char* errbuf, int errlen) {
-  dsv41::PlanParams plan{};
-  std::string err =
-      dsv41::make_plan_params(*tl, *etl, *sched, *nsplit, topk, extra_topk, has_extra, fixed_overhead, &plan);
-  if (!err.empty()) return report("dsv41 plan: " + err, errbuf, errlen);
-  emu_plan(plan, seed, 1);
+                   const dsv41::TensorView* nsplit, int64_t topk, const int64_t* extra_topk, const int64_t* has_extra,
+                   int64_t count, int64_t fixed_overhead, uint64_t seed, char* errbuf, int errlen) {
+  dsv41::PlanBatch plans{};
+  std::string err = dsv41::make_plan_params(*tl, *etl, *sched, *nsplit, topk, extra_topk, has_extra, count,
+                                            fixed_overhead, &plans);
+  if (!err.empty()) return report("dsv41_plan_decode_splits: " + err, errbuf, errlen);
+  emu::launch(plans.count, dsv41::kPlanThreads, 0,
+              [&plans](char*) { dsv41::plan_warp(plans.plan[dsv41::block_idx()], dsv41::lane_idx()); }, seed, 1);
   return 0;
 }
 

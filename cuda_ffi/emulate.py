@@ -5,10 +5,10 @@ host with sm_90a's wgmma consumers, `libdsv41_emu_mma_sync.so` with sm_100a's mm
 with `consumer=`): every CUDA thread is a fiber, warp-collective instructions exchange their operands with
 the PTX fragment semantics, named barriers count arrivals. `decode_emulated(call)` /
 `prefill_emulated(call)` run the same JAX-side preparation as the GPU path (`_ops.prepare_*`:
-head/topk padding, length clamping), the same argument checks as the FFI handlers
-(host_params.h), then the kernels (split planner, decode, combine), and slice the results like
-the GPU path. `plan_emulated` runs the planner kernel alone. Outputs start
-poisoned (NaN), so an element the kernels never write fails any comparison.
+head/topk padding, empty operands for absent lengths and sinks), the same argument checks as the
+FFI handlers (host_params.h), then the kernels (the split planner when the call brings no plan,
+decode, combine), and slice the results like the GPU path. `plan_emulated` runs the planner kernel
+alone. Outputs start poisoned (NaN), so an element the kernels never write fails any comparison.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import ml_dtypes
 import numpy as np
 
 from cuda_ffi import _ops
+from dsv41_jax.plans import DecodePlan
+from dsv41_jax.scheduler import num_sm_parts_for
 
 EMU_LIB = Path(__file__).resolve().parent / "lib" / "libdsv41_emu.so"
 # The consumer warps each emulator build runs: sm_90a's wgmma (default) or sm_100a's mma.sync.
@@ -58,12 +60,13 @@ def load(path: Path | None = None, consumer: str = "wgmma") -> ctypes.CDLL:
         lib.dsv41_emu_decode.restype = ctypes.c_int
         lib.dsv41_emu_decode.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int,
-            ctypes.c_char_p, ctypes.c_int]
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p,
+            ctypes.c_int]
         lib.dsv41_emu_plan.restype = ctypes.c_int
+        i64p = ctypes.POINTER(ctypes.c_int64)
         lib.dsv41_emu_plan.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.POINTER(TensorView),
-            ctypes.POINTER(TensorView), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.POINTER(TensorView), ctypes.c_int64, i64p, i64p, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int]
         lib.dsv41_emu_prefill.restype = ctypes.c_int
         lib.dsv41_emu_prefill.argtypes = [
@@ -88,38 +91,54 @@ def _views(arrays):
 
 
 def run_decode_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
-    """The FFI call's contract on host arrays: returns the 6 result arrays (out, lse, o_accum,
-    lse_accum, tile_scheduler_metadata, num_splits)."""
+    """The decode FFI call's contract on host arrays: returns the 4 result arrays (out, lse, o_accum,
+    lse_accum)."""
     lib = load(consumer=consumer)
     ins = [_np(a) for a in args]
     outs = [_poisoned(r) for r in results]
     err = ctypes.create_string_buffer(4096)
     rc = lib.dsv41_emu_decode(_views(ins), _views(outs), float(attrs["softmax_scale"]), int(attrs["kv_format"]),
                               int(attrs["block_size"]), int(attrs["has_extra"]), int(attrs["extra_kv_format"]),
-                              int(attrs["extra_block_size"]), int(attrs["device_plan"]), seed, workers, err,
-                              len(err))
+                              int(attrs["extra_block_size"]), seed, workers, err, len(err))
     if rc:
         raise ValueError(err.value.decode())
     return outs
 
 
-def plan_emulated(topk_length, *, topk: int, num_sm_parts: int, extra_topk_length=None, extra_topk: int = 0,
-                  fixed_overhead: int = 5, seed: int = 1):
-    """The device split planner (kernels.cuh plan_warp) run by the emulator: `(metadata int32[parts, 8],
-    num_splits int32[b + 1])`. Lengths are clamped to [0, topk] / [0, extra_topk] like the kernel does."""
+def plan_batch_emulated(topk_length, extra_topk_length, *, batch: int, topk: int, extra_topk, has_extra,
+                        num_sm_parts: int, fixed_overhead: int = 5, seed: int = 1):
+    """The planner FFI call's contract on host arrays (`_ops.plan_on_device`'s operands): topk_length int32
+    [batch] or [1], extra_topk_length int32 [n, batch] or [n, 1], per plan extra_topk / has_extra; returns
+    `(metadata int32 [n, parts, 8], num_splits int32 [n, batch + 1])`."""
     lib = load()
     tl = np.ascontiguousarray(np.asarray(topk_length, np.int32))
-    has_extra = extra_topk_length is not None
-    etl = np.ascontiguousarray(np.asarray(extra_topk_length if has_extra else tl, np.int32))
-    meta = np.full((num_sm_parts, 8), -0x55555556, np.int32)
-    splits = np.full((tl.shape[0] + 1,), -0x55555556, np.int32)
+    etl = np.ascontiguousarray(np.asarray(extra_topk_length, np.int32))
+    n, b = etl.shape[0], batch
+    meta = np.full((n, num_sm_parts, 8), -0x55555556, np.int32)
+    splits = np.full((n, b + 1), -0x55555556, np.int32)
+    et = np.ascontiguousarray(np.asarray(extra_topk, np.int64))
+    he = np.ascontiguousarray(np.asarray(has_extra, np.int64))
+    i64p = ctypes.POINTER(ctypes.c_int64)
     err = ctypes.create_string_buffer(4096)
     views = [_view(a) for a in (tl, etl, meta, splits)]
-    rc = lib.dsv41_emu_plan(*[ctypes.byref(v) for v in views], int(topk), int(extra_topk), int(has_extra),
-                            int(fixed_overhead), seed, err, len(err))
+    rc = lib.dsv41_emu_plan(*[ctypes.byref(v) for v in views], int(topk), et.ctypes.data_as(i64p),
+                            he.ctypes.data_as(i64p), len(et), int(fixed_overhead), seed, err, len(err))
     if rc:
         raise ValueError(err.value.decode())
     return meta, splits
+
+
+def plan_emulated(topk_length, *, topk: int, num_sm_parts: int, extra_topk_length=None, extra_topk: int = 0,
+                  fixed_overhead: int = 5, seed: int = 1):
+    """One plan of the device split planner (kernels.cuh plan_warp) run by the emulator: `(metadata
+    int32[parts, 8], num_splits int32[b + 1])`. Lengths are clamped to [0, topk] / [0, extra_topk] like the
+    kernel does; an extra cache iff extra_topk_length is given."""
+    tl = np.asarray(topk_length, np.int32)
+    has_extra = extra_topk_length is not None
+    etl = np.asarray(extra_topk_length, np.int32)[None] if has_extra else np.zeros((1, 1), np.int32)
+    meta, splits = plan_batch_emulated(tl, etl, batch=tl.shape[0], topk=topk, extra_topk=[extra_topk], has_extra=[int(has_extra)],
+                                       num_sm_parts=num_sm_parts, fixed_overhead=fixed_overhead, seed=seed)
+    return meta[0], splits[0]
 
 
 def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
@@ -133,16 +152,35 @@ def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, co
     return outs
 
 
-def decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0, plan: str = "device",
+def emulated_plan(call, *, num_sms: int = 132, planner: str = "device", seed: int = 1) -> DecodePlan:
+    """The plan the cuda decode of `call` runs over (`_ops.call_plan`), with the planner kernel emulated
+    where the GPU path would launch it."""
+    if call.plan is not None or call.batch_invariant or planner == "jax":
+        return _ops.call_plan(call, num_sms=num_sms, planner="jax")
+    b, s_q, h_q, _ = call.q.shape
+    parts = num_sm_parts_for("cuda", num_sms=num_sms, s_q=s_q, h_q=h_q)
+    topk = call.indices.shape[2]
+    tl = call.topk_length if call.topk_length is not None else np.full((b,), topk, np.int32)
+    et = call.extra_indices.shape[2] if call.has_extra else None
+    etl = call.extra_topk_length
+    if et is not None and etl is None:
+        etl = np.full((b,), et, np.int32)
+    meta, splits = plan_emulated(tl, topk=topk, num_sm_parts=parts, extra_topk_length=etl, extra_topk=et or 0,
+                                 seed=seed)
+    return DecodePlan(jnp.asarray(meta), jnp.asarray(splits), batch=b, s_q=s_q, topk=topk, extra_topk=et,
+                      num_sm_parts=parts, num_sms=num_sms, num_heads=h_q)
+
+
+def decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0, planner: str = "device",
                     return_plan: bool = False, consumer: str = "wgmma"):
-    """(out, lse) of the CUDA decode path, computed by the emulator (+ (metadata, num_splits) with
+    """(out, lse) of the CUDA decode path, computed by the emulator (+ the `DecodePlan` it ran over, with
     return_plan)."""
-    args, attrs, results, info = _ops.prepare_decode(call, num_sms=num_sms, plan=plan)
-    out, lse, _, _, meta, splits = run_decode_ffi(args, attrs, results, seed=seed, workers=workers,
-                                                  consumer=consumer)
+    plan = emulated_plan(call, num_sms=num_sms, planner=planner, seed=seed + 2)
+    args, attrs, results, info = _ops.prepare_decode(call, plan)
+    out, lse, _, _ = run_decode_ffi(args, attrs, results, seed=seed, workers=workers, consumer=consumer)
     h = info["h_q"]
     res = (jnp.asarray(out[:, :, :h]), jnp.asarray(lse[:, :, :h]))
-    return res + (meta, splits) if return_plan else res
+    return res + (plan,) if return_plan else res
 
 
 def prefill_emulated(call, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma", kv_f16: bool | None = None):

@@ -1,10 +1,11 @@
 // XLA FFI handlers of the dsv41 CUDA kernels (exported C symbols, loaded with ctypes):
 //   Dsv41SparseMlaDecode   -> FFI target "dsv41_sparse_mla_decode"
+//   Dsv41PlanDecodeSplits  -> FFI target "dsv41_plan_decode_splits"
 //   Dsv41SparseMlaPrefill  -> FFI target "dsv41_sparse_mla_prefill"
-// Both are command-buffer compatible: they only enqueue kernels on XLA's stream, allocate
-// nothing (the split accumulators and the split plan are extra results) and never synchronise.
-// Decode enqueues the one-warp split planner (device_plan = 1; or a copy of the plan inputs),
-// the decode kernel and the combine kernel.
+// All are command-buffer compatible: they only enqueue kernels on XLA's stream, allocate nothing
+// (the split accumulators are extra results) and never synchronise.
+// Decode enqueues the decode kernel over the plan it is given and the combine kernel; the planner
+// enqueues one warp per plan (dsv41_jax.scheduler.plan_decode_splits on the device).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -46,22 +47,33 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, 
                       ffi::AnyBuffer num_splits, ffi::AnyBuffer extra_kv, ffi::AnyBuffer extra_indices,
                       ffi::AnyBuffer extra_topk_length, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> o_accum,
-                      ffi::Result<ffi::AnyBuffer> lse_accum, ffi::Result<ffi::AnyBuffer> sched_out,
-                      ffi::Result<ffi::AnyBuffer> num_splits_out, float softmax_scale, int64_t kv_format,
-                      int64_t block_size, int64_t has_extra, int64_t extra_kv_format, int64_t extra_block_size,
-                      int64_t device_plan) {
+                      ffi::Result<ffi::AnyBuffer> lse_accum, float softmax_scale, int64_t kv_format,
+                      int64_t block_size, int64_t has_extra, int64_t extra_kv_format, int64_t extra_block_size) {
   const dsv41::TensorView in[10] = {view(q),         view(kv),         view(indices),       view(topk_length),
                                     view(attn_sink), view(sched),      view(num_splits),    view(extra_kv),
                                     view(extra_indices), view(extra_topk_length)};
-  const dsv41::TensorView res[6] = {view(*out),       view(*lse),      view(*o_accum),
-                                    view(*lse_accum), view(*sched_out), view(*num_splits_out)};
+  const dsv41::TensorView res[4] = {view(*out), view(*lse), view(*o_accum), view(*lse_accum)};
   dsv41::DecodeParams p{};
-  dsv41::PlanParams plan{};
   std::string err = dsv41::make_decode_params(in, res, softmax_scale, kv_format, block_size, has_extra,
-                                              extra_kv_format, extra_block_size, device_plan, &p, &plan);
+                                              extra_kv_format, extra_block_size, &p);
   if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_sparse_mla_decode: " + err);
-  cudaError_t e = dsv41::launch_decode(p, plan, stream);
+  cudaError_t e = dsv41::launch_decode(p, stream);
   if (e != cudaSuccess) return cuda_error("dsv41_sparse_mla_decode launch", e);
+  return ffi::Error::Success();
+}
+
+ffi::Error PlanImpl(cudaStream_t stream, ffi::AnyBuffer topk_length, ffi::AnyBuffer extra_topk_length,
+                    ffi::Result<ffi::AnyBuffer> sched, ffi::Result<ffi::AnyBuffer> num_splits, int64_t topk,
+                    ffi::Span<const int64_t> extra_topk, ffi::Span<const int64_t> has_extra, int64_t fixed_overhead) {
+  if (extra_topk.size() != has_extra.size())
+    return ffi::Error::InvalidArgument("dsv41_plan_decode_splits: extra_topk and has_extra differ in length");
+  dsv41::PlanBatch plans{};
+  std::string err = dsv41::make_plan_params(view(topk_length), view(extra_topk_length), view(*sched),
+                                            view(*num_splits), topk, extra_topk.begin(), has_extra.begin(),
+                                            (int64_t)extra_topk.size(), fixed_overhead, &plans);
+  if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_plan_decode_splits: " + err);
+  cudaError_t e = dsv41::launch_plans(plans, stream);
+  if (e != cudaSuccess) return cuda_error("dsv41_plan_decode_splits launch", e);
   return ffi::Error::Success();
 }
 
@@ -86,26 +98,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaDecode, DecodeImpl,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // kv_cache
                                   .Arg<ffi::AnyBuffer>()  // indices
-                                  .Arg<ffi::AnyBuffer>()  // topk_length
-                                  .Arg<ffi::AnyBuffer>()  // attn_sink
-                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata_in (device_plan = 0)
-                                  .Arg<ffi::AnyBuffer>()  // num_splits_in (device_plan = 0)
+                                  .Arg<ffi::AnyBuffer>()  // topk_length ([0]: topk)
+                                  .Arg<ffi::AnyBuffer>()  // attn_sink ([0]: none)
+                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata (the split plan)
+                                  .Arg<ffi::AnyBuffer>()  // num_splits
                                   .Arg<ffi::AnyBuffer>()  // extra_kv_cache
                                   .Arg<ffi::AnyBuffer>()  // extra_indices
-                                  .Arg<ffi::AnyBuffer>()  // extra_topk_length
+                                  .Arg<ffi::AnyBuffer>()  // extra_topk_length ([0]: extra topk)
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // lse
                                   .Ret<ffi::AnyBuffer>()  // o_accum
                                   .Ret<ffi::AnyBuffer>()  // lse_accum
-                                  .Ret<ffi::AnyBuffer>()  // tile_scheduler_metadata (the plan used)
-                                  .Ret<ffi::AnyBuffer>()  // num_splits
                                   .Attr<float>("softmax_scale")
                                   .Attr<int64_t>("kv_format")
                                   .Attr<int64_t>("block_size")
                                   .Attr<int64_t>("has_extra")
                                   .Attr<int64_t>("extra_kv_format")
-                                  .Attr<int64_t>("extra_block_size")
-                                  .Attr<int64_t>("device_plan"),
+                                  .Attr<int64_t>("extra_block_size"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41PlanDecodeSplits, PlanImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // topk_length [b] ([0]: topk)
+                                  .Arg<ffi::AnyBuffer>()  // extra_topk_length [plans, b] ([plans, 0]: extra topk)
+                                  .Ret<ffi::AnyBuffer>()  // tile_scheduler_metadata [plans, parts, 8]
+                                  .Ret<ffi::AnyBuffer>()  // num_splits [plans, b + 1]
+                                  .Attr<int64_t>("topk")
+                                  .Attr<ffi::Span<const int64_t>>("extra_topk")
+                                  .Attr<ffi::Span<const int64_t>>("has_extra")
+                                  .Attr<int64_t>("fixed_overhead"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaPrefill, PrefillImpl,
@@ -123,4 +145,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaPrefill, PrefillImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Version probe for the Python loader (bumped whenever an FFI signature changes).
-extern "C" int dsv41_cuda_abi_version() { return 2; }
+extern "C" int dsv41_cuda_abi_version() { return 3; }

@@ -95,10 +95,9 @@ inline std::string check_plan_cost(int64_t b, int64_t topk, int64_t extra_topk, 
   return "";
 }
 
-// A paged cache + its indices/lengths. `which` is "kv_cache" or "extra_kv_cache".
-inline std::string make_pool(const char* which, const char* idx_name, const char* len_name, const TensorView& cache,
-                             const TensorView& idx, const TensorView& len, int64_t fmt, int64_t block_size,
-                             int64_t b, int64_t s_q, Pool* pool) {
+// A paged cache + its indices. `which` is "kv_cache" or "extra_kv_cache".
+inline std::string make_pool(const char* which, const char* idx_name, const TensorView& cache, const TensorView& idx,
+                             int64_t fmt, int64_t block_size, int64_t b, int64_t s_q, Pool* pool) {
   std::string e;
   if (fmt != kFmtBf16 && fmt != kFmtFp8DsMla)
     return cat(which, " format: expected 0 (bf16) or 1 (fp8_ds_mla), got ", fmt);
@@ -119,28 +118,37 @@ inline std::string make_pool(const char* which, const char* idx_name, const char
   if (!(e = expect(idx_name, idx, DType::kS32, 3)).empty()) return e;
   if (!(e = expect_dims(idx_name, idx, {b, s_q, -1})).empty()) return e;
   if (idx.dims[2] < 1 || idx.dims[2] > kMaxI32) return cat(idx_name, ": expected topk in [1, 2^31), got ", idx.dims[2]);
-  if (!(e = expect(len_name, len, DType::kS32, 1)).empty()) return e;
-  if (!(e = expect_dims(len_name, len, {b})).empty()) return e;
   pool->base = static_cast<const uint8_t*>(cache.data);
   pool->page_bytes = page_bytes;
   pool->capacity = num_blocks * block_size;
   pool->indices = static_cast<const int32_t*>(idx.data);
-  pool->lengths = static_cast<const int32_t*>(len.data);
+  pool->lengths = nullptr;  // (set by the caller, with lengths_stride)
+  pool->lengths_stride = 1;
   pool->block_size = (int32_t)block_size;
   pool->fmt = (int32_t)fmt;
   pool->topk = (int32_t)idx.dims[2];
-  pool->pad_ = 0;
+  return "";
+}
+
+// A per-row int32 input (topk_length, extra_topk_length): shape [rows], or [1]: one length for every row
+// (stride 0). Returns "" and sets *ptr, *stride.
+inline std::string row_lengths(const char* name, const TensorView& t, int64_t rows, const int32_t** ptr,
+                               int32_t* stride) {
+  std::string e;
+  if (!(e = expect(name, t, DType::kS32, 1)).empty()) return e;
+  if (t.dims[0] != rows && t.dims[0] != 1)
+    return cat(name, ": expected shape [", rows, "] (one per row) or [1] (one for every row), got ", shape_str(t));
+  *ptr = static_cast<const int32_t*>(t.data);
+  *stride = t.dims[0] == rows ? 1 : 0;
   return "";
 }
 
 // Decode: q [b, s_q, h_pad, 512] bf16 (h_pad % 64 == 0), kv_cache, indices [b, s_q, topk] int32,
-// topk_length [b] int32, attn_sink [h_pad] f32, tile_scheduler_metadata_in [num_parts, 8] int32
-// and num_splits_in [b + 1] int32 (read only when device_plan == 0; any int32 arrays otherwise),
-// extra_* (ignored when has_extra == 0); results out [b, s_q, h_pad, 512] bf16, lse [b, s_q,
-// h_pad] f32, o_accum [b + num_parts, s_q, h_pad, 512] f32, lse_accum [b + num_parts, s_q,
-// h_pad] f32, tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1] int32 (the
-// plan the kernels used: computed on the device, or copied from the inputs). num_parts is the
-// first dimension of the tile_scheduler_metadata result.
+// topk_length [b] int32 (or [1]: one for all), attn_sink [h_pad] f32 (or [0]: no sink), the split plan
+// tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1] int32 (dsv41_jax.scheduler),
+// extra_* (ignored when has_extra == 0; extra_topk_length may be [1]); results out [b, s_q, h_pad,
+// 512] bf16, lse [b, s_q, h_pad] f32, o_accum [slots, s_q, h_pad, 512] f32 and lse_accum [slots, s_q,
+// h_pad] f32 with slots = b + num_parts, or 1 for a plan without split-KV (no combine runs).
 // Head groups 2k and 2k + 1 of one query row attend to the same tokens: with an even number of
 // groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
 // DSV41_EXP_NO_PAIR experiment build keeps one CTA per group (timing comparisons).
@@ -153,13 +161,11 @@ inline int32_t pair_groups(int64_t num_groups) {
 #endif
 }
 
-inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*6*/, float softmax_scale,
+inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*4*/, float softmax_scale,
                                       int64_t kv_format, int64_t block_size, int64_t has_extra,
-                                      int64_t extra_kv_format, int64_t extra_block_size, int64_t device_plan,
-                                      DecodeParams* p, PlanParams* plan) {
-  const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4], &sched_in = in[5],
-                   &nsplit_in = in[6], &ekv = in[7], &eidx = in[8], &etl = in[9];
-  const TensorView &sched = out[4], &nsplit = out[5];
+                                      int64_t extra_kv_format, int64_t extra_block_size, DecodeParams* p) {
+  const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4], &sched = in[5],
+                   &nsplit = in[6], &ekv = in[7], &eidx = in[8], &etl = in[9];
   std::string e;
   if (!(e = expect("q", q, DType::kBF16, 4)).empty()) return e;
   const int64_t b = q.dims[0], s_q = q.dims[1], h_pad = q.dims[2];
@@ -171,63 +177,46 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (!(softmax_scale == softmax_scale) || softmax_scale == 1.0f / 0.0f || softmax_scale == -1.0f / 0.0f)
     return cat("softmax_scale: expected a finite float, got ", softmax_scale);
   if (has_extra != 0 && has_extra != 1) return cat("has_extra: expected 0 or 1, got ", has_extra);
-  if (device_plan != 0 && device_plan != 1) return cat("device_plan: expected 0 or 1, got ", device_plan);
-  if (!(e = make_pool("kv_cache", "indices", "topk_length", kv, idx, tl, kv_format, block_size, b, s_q, &p->main)).empty())
-    return e;
+  if (!(e = make_pool("kv_cache", "indices", kv, idx, kv_format, block_size, b, s_q, &p->main)).empty()) return e;
+  if (!(e = row_lengths("topk_length", tl, b, &p->main.lengths, &p->main.lengths_stride)).empty()) return e;
   if (has_extra) {
-    if (!(e = make_pool("extra_kv_cache", "extra_indices", "extra_topk_length", ekv, eidx, etl, extra_kv_format,
-                        extra_block_size, b, s_q, &p->extra))
+    if (!(e = make_pool("extra_kv_cache", "extra_indices", ekv, eidx, extra_kv_format, extra_block_size, b, s_q,
+                        &p->extra))
              .empty())
+      return e;
+    if (!(e = row_lengths("extra_topk_length", etl, b, &p->extra.lengths, &p->extra.lengths_stride)).empty())
       return e;
   } else {
     p->extra = p->main;
   }
   if (!(e = expect("attn_sink", sink, DType::kF32, 1)).empty()) return e;
-  if (!(e = expect_dims("attn_sink", sink, {h_pad})).empty()) return e + " (pad with -inf)";
-  if (!(e = expect("tile_scheduler_metadata (result)", sched, DType::kS32, 2)).empty()) return e;
-  if (!(e = expect_dims("tile_scheduler_metadata (result)", sched, {-1, 8})).empty()) return e;
+  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h_pad})).empty())
+    return e + " (pad with -inf; or [0]: no sink)";
+  if (!(e = expect("tile_scheduler_metadata", sched, DType::kS32, 2)).empty()) return e;
+  if (!(e = expect_dims("tile_scheduler_metadata", sched, {-1, 8})).empty()) return e;
   const int64_t parts = sched.dims[0];
-  if (parts < 1 || parts > 65535) return cat("tile_scheduler_metadata (result): expected 1..65535 parts, got ", parts);
-  if (!(e = expect("num_splits (result)", nsplit, DType::kS32, 1)).empty()) return e;
-  if (!(e = expect_dims("num_splits (result)", nsplit, {b + 1})).empty()) return e;
-  if (!(e = expect("tile_scheduler_metadata", sched_in, DType::kS32, 2)).empty()) return e;
-  if (!(e = expect("num_splits", nsplit_in, DType::kS32, 1)).empty()) return e;
-  if (!device_plan) {
-    if (!(e = expect_dims("tile_scheduler_metadata", sched_in, {parts, 8})).empty()) return e;
-    if (!(e = expect_dims("num_splits", nsplit_in, {b + 1})).empty()) return e;
-  }
-  const int64_t slots = b + parts;
+  if (parts < 1 || parts > 65535) return cat("tile_scheduler_metadata: expected 1..65535 parts, got ", parts);
+  if (!(e = expect("num_splits", nsplit, DType::kS32, 1)).empty()) return e;
+  if (!(e = expect_dims("num_splits", nsplit, {b + 1})).empty()) return e;
   if (!(e = expect("out", out[0], DType::kBF16, 4)).empty()) return e;
   if (!(e = expect_dims("out", out[0], {b, s_q, h_pad, kHeadDim})).empty()) return e;
   if (!(e = expect("lse", out[1], DType::kF32, 3)).empty()) return e;
   if (!(e = expect_dims("lse", out[1], {b, s_q, h_pad})).empty()) return e;
   if (!(e = expect("o_accum", out[2], DType::kF32, 4)).empty()) return e;
-  if (!(e = expect_dims("o_accum", out[2], {slots, s_q, h_pad, kHeadDim})).empty()) return e + " ([b + num_parts, ...])";
+  const int64_t slots = out[2].dims[0];
+  if (slots != 1 && slots != b + parts)
+    return cat("o_accum: expected ", b + parts, " slots (b + num_parts) or 1 (a plan without split-KV), got shape ",
+               shape_str(out[2]));
+  if (!(e = expect_dims("o_accum", out[2], {slots, s_q, h_pad, kHeadDim})).empty()) return e;
   if (!(e = expect("lse_accum", out[3], DType::kF32, 3)).empty()) return e;
-  if (!(e = expect_dims("lse_accum", out[3], {slots, s_q, h_pad})).empty()) return e + " ([b + num_parts, ...])";
+  if (!(e = expect_dims("lse_accum", out[3], {slots, s_q, h_pad})).empty()) return e + " (as o_accum)";
   const int64_t grid = (h_pad / kHeadsPerCta) * s_q * parts;
   if (grid > kMaxI32) return cat("decode grid too large: ", grid, " CTAs (h_pad/64 * s_q * num_parts)");
   if (b * s_q * (h_pad / 8) > kMaxI32) return cat("combine grid too large for q shape ", shape_str(q));
   p->q = static_cast<const uint16_t*>(q.data);
-  p->sink = static_cast<const float*>(sink.data);
+  p->sink = sink.dims[0] ? static_cast<const float*>(sink.data) : nullptr;
   p->sched = static_cast<const int32_t*>(sched.data);
   p->num_splits = static_cast<const int32_t*>(nsplit.data);
-  if (!(e = check_plan_cost(b, p->main.topk, has_extra ? p->extra.topk : 0, has_extra, kPlanFixedOverhead)).empty())
-    return e;
-  plan->lengths = p->main.lengths;
-  plan->extra_lengths = has_extra ? p->extra.lengths : p->main.lengths;
-  plan->sched = static_cast<int32_t*>(sched.data);
-  plan->num_splits = static_cast<int32_t*>(nsplit.data);
-  plan->sched_in = static_cast<const int32_t*>(sched_in.data);
-  plan->num_splits_in = static_cast<const int32_t*>(nsplit_in.data);
-  plan->b = (int32_t)b;
-  plan->num_parts = (int32_t)parts;
-  plan->topk = p->main.topk;
-  plan->extra_topk = has_extra ? p->extra.topk : 0;
-  plan->has_extra = (int32_t)has_extra;
-  plan->fixed_overhead = kPlanFixedOverhead;
-  plan->device_plan = (int32_t)device_plan;
-  plan->pad_ = 0;
   p->out = static_cast<uint16_t*>(out[0].data);
   p->lse = static_cast<float*>(out[1].data);
   p->o_accum = static_cast<float*>(out[2].data);
@@ -240,44 +229,58 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->num_parts = (int32_t)parts;
   p->has_extra = (int32_t)has_extra;
   p->pair = pair_groups(p->num_groups);
-  p->pad_ = 0;
+  p->num_slots = (int32_t)slots;
   return "";
 }
 
-// The planner alone (emulator tests): topk_length [b] int32, extra_topk_length [b] int32 (when
-// has_extra); results tile_scheduler_metadata [num_parts, 8] int32, num_splits [b + 1] int32.
+// The split planner over `count` plans of the same requests: topk_length [b] int32 (or [1]: one length for
+// every request), extra_topk_length [count, b] int32 (or [count, 1]); per plan j: extra_topk[j], has_extra[j]
+// (lengths are clamped to [0, topk] / [0, extra_topk[j]]); results tile_scheduler_metadata [count, num_parts,
+// 8] int32 and num_splits [count, b + 1] int32.
 inline std::string make_plan_params(const TensorView& tl, const TensorView& etl, const TensorView& sched,
-                                    const TensorView& nsplit, int64_t topk, int64_t extra_topk, int64_t has_extra,
-                                    int64_t fixed_overhead, PlanParams* plan) {
+                                    const TensorView& nsplit, int64_t topk, const int64_t* extra_topk,
+                                    const int64_t* has_extra, int64_t count, int64_t fixed_overhead,
+                                    PlanBatch* batch) {
   std::string e;
-  if (!(e = expect("topk_length", tl, DType::kS32, 1)).empty()) return e;
-  const int64_t b = tl.dims[0];
-  if (b < 1 || b >= kMaxI32 / 2) return cat("topk_length: expected 1 <= b < 2^30, got shape ", shape_str(tl));
-  if (has_extra != 0 && has_extra != 1) return cat("has_extra: expected 0 or 1, got ", has_extra);
-  if (has_extra) {
-    if (!(e = expect("extra_topk_length", etl, DType::kS32, 1)).empty()) return e;
-    if (!(e = expect_dims("extra_topk_length", etl, {b})).empty()) return e;
-  }
-  if (topk < 0 || topk > kMaxI32 || extra_topk < 0 || extra_topk > kMaxI32) return "topk / extra_topk out of range";
+  if (count < 1 || count > kMaxPlans) return cat("plans: expected 1..", kMaxPlans, " plans, got ", count);
+  if (!(e = expect("num_splits", nsplit, DType::kS32, 2)).empty()) return e;
+  if (!(e = expect_dims("num_splits", nsplit, {count, -1})).empty()) return e;
+  const int64_t b = nsplit.dims[1] - 1;
+  if (b < 1 || b >= kMaxI32 / 2) return cat("num_splits: expected [plans, b + 1] with 1 <= b < 2^30, got ", shape_str(nsplit));
+  if (!(e = expect("tile_scheduler_metadata", sched, DType::kS32, 3)).empty()) return e;
+  if (!(e = expect_dims("tile_scheduler_metadata", sched, {count, -1, 8})).empty()) return e;
+  const int64_t parts = sched.dims[1];
+  if (parts < 1 || parts > 65535) return cat("tile_scheduler_metadata: expected 1..65535 parts, got ", parts);
+  const int32_t* lengths = nullptr;
+  int32_t stride = 1;
+  if (!(e = row_lengths("topk_length", tl, b, &lengths, &stride)).empty()) return e;
+  if (!(e = expect("extra_topk_length", etl, DType::kS32, 2)).empty()) return e;
+  if (etl.dims[0] != count || (etl.dims[1] != b && etl.dims[1] != 1))
+    return cat("extra_topk_length: expected shape [", count, ", ", b, "] (a row per plan) or [", count,
+               ", 1] (one length per plan), got ", shape_str(etl));
+  if (topk < 0 || topk > kMaxI32) return cat("topk out of range: ", topk);
   if (fixed_overhead < 0 || fixed_overhead > 1 << 20) return cat("fixed_overhead out of range: ", fixed_overhead);
-  if (!(e = expect("tile_scheduler_metadata", sched, DType::kS32, 2)).empty()) return e;
-  if (!(e = expect_dims("tile_scheduler_metadata", sched, {-1, 8})).empty()) return e;
-  if (sched.dims[0] < 1 || sched.dims[0] > 65535) return "tile_scheduler_metadata: expected 1..65535 parts";
-  if (!(e = expect("num_splits", nsplit, DType::kS32, 1)).empty()) return e;
-  if (!(e = expect_dims("num_splits", nsplit, {b + 1})).empty()) return e;
-  if (!(e = check_plan_cost(b, topk, has_extra ? extra_topk : 0, has_extra != 0, fixed_overhead)).empty()) return e;
-  *plan = PlanParams{};
-  plan->lengths = static_cast<const int32_t*>(tl.data);
-  plan->extra_lengths = has_extra ? static_cast<const int32_t*>(etl.data) : plan->lengths;
-  plan->sched = static_cast<int32_t*>(sched.data);
-  plan->num_splits = static_cast<int32_t*>(nsplit.data);
-  plan->b = (int32_t)b;
-  plan->num_parts = (int32_t)sched.dims[0];
-  plan->topk = (int32_t)topk;
-  plan->extra_topk = (int32_t)extra_topk;
-  plan->has_extra = (int32_t)has_extra;
-  plan->fixed_overhead = (int32_t)fixed_overhead;
-  plan->device_plan = 1;
+  *batch = PlanBatch{};
+  batch->count = (int32_t)count;
+  for (int64_t j = 0; j < count; ++j) {
+    if (has_extra[j] != 0 && has_extra[j] != 1) return cat("has_extra[", j, "]: expected 0 or 1, got ", has_extra[j]);
+    if (extra_topk[j] < 0 || extra_topk[j] > kMaxI32) return cat("extra_topk[", j, "] out of range: ", extra_topk[j]);
+    if (!(e = check_plan_cost(b, topk, has_extra[j] ? extra_topk[j] : 0, has_extra[j] != 0, fixed_overhead)).empty())
+      return e;
+    PlanParams& plan = batch->plan[j];
+    plan.lengths = lengths;
+    plan.lengths_stride = stride;
+    plan.extra_lengths = static_cast<const int32_t*>(etl.data) + j * etl.dims[1];
+    plan.extra_lengths_stride = etl.dims[1] == b ? 1 : 0;
+    plan.sched = static_cast<int32_t*>(sched.data) + j * parts * 8;
+    plan.num_splits = static_cast<int32_t*>(nsplit.data) + j * (b + 1);
+    plan.b = (int32_t)b;
+    plan.num_parts = (int32_t)parts;
+    plan.topk = (int32_t)topk;
+    plan.extra_topk = (int32_t)extra_topk[j];
+    plan.has_extra = (int32_t)has_extra[j];
+    plan.fixed_overhead = (int32_t)fixed_overhead;
+  }
   return "";
 }
 
@@ -293,8 +296,8 @@ inline int32_t prefill_pair_groups(int64_t num_groups) {
 }
 
 // Prefill: q [s_q, h_pad, 512] bf16, kv [s_kv, 512] bf16 or f16, indices [s_q, topk] int32, topk_length
-// [s_q] int32, attn_sink [h_pad] f32; results out [s_q, h_pad, 512] bf16, max_logits and lse
-// [s_q, h_pad] f32.
+// [s_q] int32 (or [1]: one for all), attn_sink [h_pad] f32 (or [0]: no sink); results out
+// [s_q, h_pad, 512] bf16, max_logits and lse [s_q, h_pad] f32.
 inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorView* out /*3*/, float softmax_scale,
                                        PrefillParams* p) {
   const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4];
@@ -313,10 +316,12 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   if (!(e = expect("indices", idx, DType::kS32, 2)).empty()) return e;
   if (!(e = expect_dims("indices", idx, {s_q, -1})).empty()) return e;
   if (idx.dims[1] < 1 || idx.dims[1] > kMaxI32) return cat("indices: expected topk in [1, 2^31), got ", idx.dims[1]);
-  if (!(e = expect("topk_length", tl, DType::kS32, 1)).empty()) return e;
-  if (!(e = expect_dims("topk_length", tl, {s_q})).empty()) return e;
+  const int32_t* lengths = nullptr;
+  int32_t stride = 1;
+  if (!(e = row_lengths("topk_length", tl, s_q, &lengths, &stride)).empty()) return e;
   if (!(e = expect("attn_sink", sink, DType::kF32, 1)).empty()) return e;
-  if (!(e = expect_dims("attn_sink", sink, {h_pad})).empty()) return e + " (pad with -inf)";
+  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h_pad})).empty())
+    return e + " (pad with -inf; or [0]: no sink)";
   if (!(e = expect("out", out[0], DType::kBF16, 3)).empty()) return e;
   if (!(e = expect_dims("out", out[0], {s_q, h_pad, kHeadDim})).empty()) return e;
   if (!(e = expect("max_logits", out[1], DType::kF32, 2)).empty()) return e;
@@ -326,7 +331,7 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   const int64_t grid = (h_pad / kHeadsPerCta) * s_q;
   if (grid > kMaxI32) return cat("prefill grid too large: ", grid, " CTAs (h_pad/64 * s_q)");
   p->q = static_cast<const uint16_t*>(q.data);
-  p->sink = static_cast<const float*>(sink.data);
+  p->sink = sink.dims[0] ? static_cast<const float*>(sink.data) : nullptr;
   p->out = static_cast<uint16_t*>(out[0].data);
   p->max_logits = static_cast<float*>(out[1].data);
   p->lse = static_cast<float*>(out[2].data);
@@ -334,11 +339,11 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->kv.page_bytes = kHeadDim * 2;
   p->kv.capacity = kv.dims[0];
   p->kv.indices = static_cast<const int32_t*>(idx.data);
-  p->kv.lengths = static_cast<const int32_t*>(tl.data);
+  p->kv.lengths = lengths;
+  p->kv.lengths_stride = stride;
   p->kv.block_size = 1;
   p->kv.fmt = kv_f16 ? kFmtF16 : kFmtBf16;
   p->kv.topk = (int32_t)idx.dims[1];
-  p->kv.pad_ = 0;
   p->scale_log2 = softmax_scale * 1.4426950408889634f;
   p->s_q = (int32_t)s_q;
   p->h_pad = (int32_t)h_pad;

@@ -128,6 +128,14 @@ constexpr int kConsumerThreads = 32 * kConsumerWarps;  // 256
 DEVFN int swz128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 DEVFN int tile_off(int row, int chunk) { return (chunk >> 3) * 8192 + swz128(row, chunk & 7); }
 DEVFN int clamp_len(int32_t len, int32_t topk) { return len < 0 ? 0 : (len > topk ? topk : len); }
+// Row i's length clamped to [0, topk]: lengths[i * stride] (stride 0: one length for every row).
+DEVFN int load_len(const int32_t* lengths, int32_t stride, int64_t i, int32_t topk) {
+  return clamp_len(ldg_nc_s32(lengths + i * stride), topk);
+}
+// The sinks of head group `group` (nullptr: no sink).
+DEVFN const float* group_sink(const float* sink, int group) {
+  return sink ? sink + (int64_t)group * kHeadsPerCta : nullptr;
+}
 
 // ============================================================================== crew
 // The CTAs that share a tile sequence: one CTA, or the 2-CTA cluster of head groups 2k, 2k + 1
@@ -1450,7 +1458,7 @@ DEVFN FinalRow final_row(const char* smem, int r, const float* sink0) {
   FinalRow f{0.f, finf(), -finf()};
   if (L > 0.f) {
     const float lse2 = M + flog2(L);
-    const float sink2 = ldg_nc_f32(sink0 + r) * kLog2e;  // +-inf stay +-inf
+    const float sink2 = sink0 ? ldg_nc_f32(sink0 + r) * kLog2e : -finf();  // +-inf stay +-inf
     f.factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));  // sink=+inf -> 1/inf = 0
     f.lse_nat = lse2 * kLn2;
     f.maxl = mtrue[r] * kLn2;
@@ -1548,7 +1556,9 @@ DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float*
 // The CTA's share of the split plan (flashmla.md section 3): requests begin_req..end_req;
 // blocks [begin_blk, ...) of the first and [..., end_blk) of the last. A request's blocks are
 // its main-cache blocks (nmain = ceil(max(len, 1) / 64)), then its extra-cache blocks
-// (ceil(extra_len / 64)), exactly as plan_decode_splits counts them.
+// (ceil(extra_len / 64)), exactly as plan_decode_splits counts them. The plan is a value of the
+// caller's (dsv41_jax.plans), possibly made from other lengths: ranges are cut to the request's own
+// blocks, so every block is attended at most once and nothing outside the request is read.
 struct DecodeWork {
   int begin_req, end_req, begin_blk, end_blk, begin_split;
 };
@@ -1572,14 +1582,15 @@ struct DecodeSeg {
 
 DEVFN DecodeSeg decode_segment(const DecodeParams& p, const DecodeWork& wk, int req) {
   DecodeSeg sg;
-  sg.len_main = clamp_len(ldg_nc_s32(p.main.lengths + req), p.main.topk);
-  sg.len_extra = p.has_extra ? clamp_len(ldg_nc_s32(p.extra.lengths + req), p.extra.topk) : 0;
+  sg.len_main = load_len(p.main.lengths, p.main.lengths_stride, req, p.main.topk);
+  sg.len_extra = p.has_extra ? load_len(p.extra.lengths, p.extra.lengths_stride, req, p.extra.topk) : 0;
   const int lm = sg.len_main > 0 ? sg.len_main : 1;
   sg.nmain = (lm + kTileTokens - 1) / kTileTokens;
   const int nblk = sg.nmain + (sg.len_extra + kTileTokens - 1) / kTileTokens;
   sg.blk0 = req == wk.begin_req ? wk.begin_blk : 0;
   sg.blk1 = req == wk.end_req ? wk.end_blk : nblk;
   if (sg.blk0 < 0) sg.blk0 = 0;
+  if (sg.blk1 > nblk) sg.blk1 = nblk;  // a plan for longer requests (a stale or a batch-invariant one)
   return sg;
 }
 
@@ -1638,6 +1649,28 @@ constexpr bool kStagedEpi = true;
 #else
 constexpr bool kStagedEpi = false;
 #endif
+// The piece of an empty segment (a plan made for longer requests than the call's), so that every slot the plan
+// names holds a value: O = 0, lse2 = -inf into its accumulator slot, or, when the request is one piece, out = 0,
+// lse = +inf. Written by the consumer threads, with no tile.
+DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
+                             int group, int ct) {
+  const int first = ldg_nc_s32(p.num_splits + req);
+  const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+  const uint4 zero = make_u4(0u, 0u, 0u, 0u);
+  if (pieces <= 1 || p.num_slots <= 1) {
+    uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
+    for (int i = ct; i < kHeadsPerCta * kHeadDim / 8; i += kConsumerThreads) o[i] = zero;
+    if (ct < kHeadsPerCta) p.lse[head_row + ct] = finf();
+    return;
+  }
+  const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
+  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
+  uint4* o = reinterpret_cast<uint4*>(p.o_accum + arow * kHeadDim);
+  for (int i = ct; i < kHeadsPerCta * kHeadDim / 4; i += kConsumerThreads) o[i] = zero;
+  if (ct < kHeadsPerCta) p.lse_accum[arow + ct] = -finf();
+}
+
 template <class C, class Side>
 DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
                                 int s, int w, int lane, const Side& side) {
@@ -1646,9 +1679,13 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
   const int ct = thread_idx();
   for (int req = wk.begin_req; req <= wk.end_req; ++req) {
     const DecodeSeg sg = decode_segment(p, wk, req);
-    if (sg.blk0 >= sg.blk1) continue;  // (never for a valid plan; producers skip it too)
     const int64_t row = (int64_t)req * p.s_q + s;
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
+    if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
+      write_empty_piece(p, wk, req, s, head_row, group, ct);
+      continue;
+    }
+    const int ntiles = sg.blk1 - sg.blk0;
     load_q<false, kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
     if (kStagedEpi && req < wk.end_req) {  // the next request's 64 KB of Q rows: two 128-byte lines per thread
       const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim);
@@ -1656,8 +1693,8 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
       prefetch_l2(qn + 128 * (ct + kConsumerThreads));
     }
     acc_reset(acc);
-    consume_tiles(crew, smem, tc, sg.blk1 - sg.blk0, acc, p.scale_log2, w, lane, side);
-    tc += sg.blk1 - sg.blk0;
+    consume_tiles(crew, smem, tc, ntiles, acc, p.scale_log2, w, lane, side);
+    tc += ntiles;
     int first, pieces;
     if constexpr (kStagedEpi) {  // (their latency under the barrier's)
       first = ldg_nc_s32(p.num_splits + req);
@@ -1668,17 +1705,19 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
       first = ldg_nc_s32(p.num_splits + req);
       pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     }
-    if (pieces <= 1) {
+    if (pieces <= 1 || p.num_slots <= 1) {  // (one slot: the caller's plan has no split-KV, no combine runs)
       if constexpr (kStagedEpi)
         write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                                        p.sink + (int64_t)group * kHeadsPerCta);
+                                        group_sink(p.sink, group));
       else
         write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                    p.sink + (int64_t)group * kHeadsPerCta);
+                    group_sink(p.sink, group));
     } else {
       const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
-      const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
-      write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
+      if (slot >= 0 && slot < p.num_slots) {  // (the combine reads only slots inside the buffer too)
+        const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
+        write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
+      }
     }
   }
 }
@@ -1795,19 +1834,19 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
 // written 32 parts at a time, each lane taking its part's start from the part before (a one-warp kernel runs at ~6
 // cycles per instruction: a walk one request at a time took 17.0 us, one ballot per part with the records in the
 // loop 14.7 us, of a ~328 us headline decode; RESULTS.md fifteenth session).
+// Request i's lengths, clamped (0 past b).
 DEVFN void plan_load(const PlanParams& p, int i, int32_t& len, int32_t& elen) {
   len = 0;
   elen = 0;
   if (i < p.b) {
-    len = ldg_nc_s32(p.lengths + i);
-    if (p.has_extra) elen = ldg_nc_s32(p.extra_lengths + i);
+    len = load_len(p.lengths, p.lengths_stride, i, p.topk);
+    if (p.has_extra) elen = load_len(p.extra_lengths, p.extra_lengths_stride, i, p.extra_topk);
   }
 }
 
 DEVFN int plan_blocks(const PlanParams& p, int32_t len, int32_t elen) {
-  int l = clamp_len(len, p.topk);
-  if (l == 0) l = 1;
-  if (p.has_extra) l = (l + kTileTokens - 1) / kTileTokens * kTileTokens + clamp_len(elen, p.extra_topk);
+  int l = len == 0 ? 1 : len;
+  if (p.has_extra) l = (l + kTileTokens - 1) / kTileTokens * kTileTokens + elen;
   return (l - 1) / kTileTokens + 1;
 }
 
@@ -1924,16 +1963,26 @@ DEVFN void plan_warp(const PlanParams& p, int lane) {
   }
 }
 
-// device_plan == 0: copy the plan computed elsewhere (the JAX planner) into the plan results.
-DEVFN void plan_copy(const PlanParams& p, int tid, int nthreads) {
-  for (int64_t i = tid; i < (int64_t)p.num_parts * 8; i += nthreads) p.sched[i] = p.sched_in[i];
-  for (int64_t i = tid; i <= p.b; i += nthreads) p.num_splits[i] = p.num_splits_in[i];
-}
-
 // ============================================================================== combine
 // One warp per (request, query token, head) of requests with more than one piece:
 // m = max lse2_i; S = sum 2^(lse2_i - m); g = m + log2 S; lse = g ln2;
 // out = sum_i 2^(lse2_i - g) O_i / (1 + 2^(sink log2e - g)). All pieces empty -> 0, +inf.
+// Only pieces inside the accumulators are read (num_splits comes with the plan, a value of the caller's).
+// The lanes load 32 pieces' lse2 at once and reduce them by shuffles, and the O rows are read kCombineUnroll
+// pieces at a time: at small batches the combine's cost is its chain of load latencies, one per round.
+// The O sum runs over the pieces in order, so the result does not depend on the unrolling.
+constexpr int kCombineUnroll = 2;
+DEVFN float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, shfl_xor_f32(v, o));
+  return v;
+}
+DEVFN float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += shfl_xor_f32(v, o);
+  return v;
+}
+
 DEVFN void combine_cta(const DecodeParams& p) {
   const int hgroups = p.h_pad / 8;
   const int64_t bid = block_idx();
@@ -1942,8 +1991,10 @@ DEVFN void combine_cta(const DecodeParams& p) {
   const int s = (int)(rest % p.s_q);
   const int req = (int)(rest / p.s_q);
   const int first = p.num_splits[req];
-  const int n = p.num_splits[req + 1] - first;
+  int n = p.num_splits[req + 1] - first;
   if (n <= 1) return;
+  if (first < 0 || first >= p.num_slots) n = 0;
+  if (n > p.num_slots - first) n = p.num_slots - first;
   const int head = hg * 8 + warp_idx();
   const int lane = lane_idx();
   const int64_t stride = (int64_t)p.s_q * p.h_pad;  // between consecutive slots
@@ -1951,7 +2002,8 @@ DEVFN void combine_cta(const DecodeParams& p) {
   const int64_t orow = (((int64_t)req * p.s_q + s) * p.h_pad + head);
   uint16_t* out = p.out + orow * kHeadDim;
   float m = -finf();
-  for (int i = 0; i < n; ++i) m = fmaxf(m, la[i * stride]);
+  for (int i = lane; i < n; i += 32) m = fmaxf(m, la[i * stride]);
+  m = warp_max(m);
   if (m == -finf()) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -1963,9 +2015,9 @@ DEVFN void combine_cta(const DecodeParams& p) {
     return;
   }
   float sum = 0.f;
-  for (int i = 0; i < n; ++i) sum += fexp2(la[i * stride] - m);
-  const float gl = m + flog2(sum);
-  const float sink2 = p.sink[head] * kLog2e;
+  for (int i = lane; i < n; i += 32) sum += fexp2(la[i * stride] - m);
+  const float gl = m + flog2(warp_sum(sum));
+  const float sink2 = p.sink ? p.sink[head] * kLog2e : -finf();
   const float factor = 1.f / (1.f + fexp2(sink2 - gl));
   float acc[4][4];
 #pragma unroll
@@ -1973,16 +2025,41 @@ DEVFN void combine_cta(const DecodeParams& p) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   const float* oa = p.o_accum + (((int64_t)first * p.s_q + s) * p.h_pad + head) * kHeadDim + 4 * lane;
-  for (int i = 0; i < n; ++i) {
-    const float wgt = fexp2(la[i * stride] - gl) * factor;  // lse2 = -inf -> 0
-    const float* src = oa + i * stride * kHeadDim;
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    const int cnt = n - i0 < 32 ? n - i0 : 32;
+    const uint32_t wl = f32_bits(lane < cnt ? fexp2(la[(i0 + lane) * stride] - gl) * factor : 0.f);  // lse2 -inf -> 0
+    int k = 0;
+    for (; k + kCombineUnroll <= cnt; k += kCombineUnroll) {
+      float4 v[kCombineUnroll][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 v = *reinterpret_cast<const float4*>(src + 128 * j);
-      acc[j][0] += wgt * v.x;
-      acc[j][1] += wgt * v.y;
-      acc[j][2] += wgt * v.z;
-      acc[j][3] += wgt * v.w;
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        const float* src = oa + (int64_t)(i0 + k + u) * stride * kHeadDim;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[u][j] = *reinterpret_cast<const float4*>(src + 128 * j);
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        const float wgt = bits_f32(shfl_idx_u32(wl, k + u));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[j][0] += wgt * v[u][j].x;
+          acc[j][1] += wgt * v[u][j].y;
+          acc[j][2] += wgt * v[u][j].z;
+          acc[j][3] += wgt * v[u][j].w;
+        }
+      }
+    }
+    for (; k < cnt; ++k) {
+      const float wgt = bits_f32(shfl_idx_u32(wl, k));
+      const float* src = oa + (int64_t)(i0 + k) * stride * kHeadDim;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 v = *reinterpret_cast<const float4*>(src + 128 * j);
+        acc[j][0] += wgt * v.x;
+        acc[j][1] += wgt * v.y;
+        acc[j][2] += wgt * v.z;
+        acc[j][3] += wgt * v.w;
+      }
     }
   }
 #pragma unroll
@@ -2009,7 +2086,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;
   const int w = warp_idx(), lane = lane_idx();
-  const int len = clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk);
+  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);
   const int ntiles = (len + kTileTokens - 1) / kTileTokens;
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<crew.producer_regs>();
@@ -2029,7 +2106,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
     publish_row_stats(smem, acc, w, lane);
     write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
-                p.sink + (int64_t)group * kHeadsPerCta);
+                group_sink(p.sink, group));
   }
   crew_teardown(crew);
 }

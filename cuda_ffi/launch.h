@@ -7,9 +7,11 @@
 
 namespace dsv41 {
 
-// Enqueue the split planner (or the copy of a given plan), the decode kernel and the split
-// combine kernel on `stream`. No allocation, no sync.
-cudaError_t launch_decode(const DecodeParams& p, const PlanParams& plan, cudaStream_t stream);
+// Enqueue the decode kernel over the plan in `p` and the split combine kernel (none when the plan
+// has no split-KV: p.num_slots == 1) on `stream`. No allocation, no sync.
+cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream);
+// Enqueue the split planner: one warp per plan of `plans`.
+cudaError_t launch_plans(const PlanBatch& plans, cudaStream_t stream);
 // Enqueue the prefill kernel on `stream`.
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
 

@@ -59,39 +59,46 @@ struct Pool {
   int64_t page_bytes;      // bytes per page
   int64_t capacity;        // slots: num_blocks * block_size (bf16 prefill: s_kv)
   const int32_t* indices;  // int32 [rows, topk] (decode rows = b * s_q)
-  const int32_t* lengths;  // int32 [b] (decode, per request) or [s_q] (prefill), already in [0, topk]
+  const int32_t* lengths;  // int32 [b] (decode, per request) or [s_q] (prefill), clamped to [0, topk] on use
   int32_t block_size;
   int32_t fmt;             // KvFormat
   int32_t topk;            // row length of `indices`
-  int32_t pad_;
+  int32_t lengths_stride;  // 1, or 0: lengths[0] for every row
 };
 
 struct DecodeParams {
   const uint16_t* q;         // bf16 [b, s_q, h_pad, 512]
-  const float* sink;         // f32 [h_pad], natural log; -inf = no sink
+  const float* sink;         // f32 [h_pad], natural log; nullptr: no sink (-inf)
   const int32_t* sched;      // int32 [num_parts, 8] (dsv41_jax.scheduler.plan_decode_splits)
   const int32_t* num_splits; // int32 [b + 1]
   uint16_t* out;             // bf16 [b, s_q, h_pad, 512]
   float* lse;                // f32 [b, s_q, h_pad]
-  float* o_accum;            // f32 [b + num_parts, s_q, h_pad, 512]
-  float* lse_accum;          // f32 [b + num_parts, s_q, h_pad] (log2 domain)
+  float* o_accum;            // f32 [num_slots, s_q, h_pad, 512] (num_slots = b + num_parts, or 1: no split-KV)
+  float* lse_accum;          // f32 [num_slots, s_q, h_pad] (log2 domain)
   Pool main;
   Pool extra;
   float scale_log2;          // softmax_scale * log2(e)
   int32_t b, s_q, h_pad, num_groups, num_parts, has_extra;
   int32_t pair;              // 1: CTAs of head groups 2k, 2k+1 run as a 2-CTA cluster sharing the gather
-  int32_t pad_;
+  int32_t num_slots;         // accumulator slots; a piece whose slot lies past them is never written or read
 };
 
-// The decode split planner (dsv41_jax.scheduler.plan_decode_splits, run on the device).
+// The decode split planner (dsv41_jax.scheduler.plan_decode_splits, run on the device), one plan.
 struct PlanParams {
   const int32_t* lengths;        // int32 [b] main lengths (clamped to [0, topk] here)
-  const int32_t* extra_lengths;  // int32 [b] (has_extra) or unused
+  const int32_t* extra_lengths;  // int32 [b] (has_extra)
   int32_t* sched;                // int32 [num_parts, 8]
   int32_t* num_splits;           // int32 [b + 1]
-  const int32_t* sched_in;       // device_plan == 0: a precomputed plan copied into sched / num_splits
-  const int32_t* num_splits_in;
-  int32_t b, num_parts, topk, extra_topk, has_extra, fixed_overhead, device_plan, pad_;
+  int32_t b, num_parts, topk, extra_topk, has_extra, fixed_overhead;
+  int32_t lengths_stride, extra_lengths_stride;  // 1, or 0: element 0 for every request
+};
+
+// Several plans over the same requests and part count, one warp (CTA) each: the split plans of a
+// step's layer types in one launch.
+constexpr int kMaxPlans = 8;
+struct PlanBatch {
+  PlanParams plan[kMaxPlans];
+  int32_t count, pad_;
 };
 
 struct PrefillParams {

@@ -328,7 +328,7 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
     fence_mbar_init();
   }
   bar_sync(kBarCta, kThreads);
-  const int len = clamp_len(ldg_nc_s32(p.kv.lengths + s), p.kv.topk);
+  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);
   const int npairs = (len + 2 * kTileTokens - 1) / (2 * kTileTokens);
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<kSeesawProducerRegs>();
@@ -348,7 +348,7 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   }
   seesaw_publish_stats(smem, acc, w, lane);
   write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
-                                  p.max_logits + head_row, p.sink + (int64_t)group * kHeadsPerCta);
+                                  p.max_logits + head_row, group_sink(p.sink, group));
 }
 #endif  // DSV41_WGMMA
 

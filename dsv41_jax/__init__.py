@@ -5,7 +5,8 @@ reference (`impl="xla"`), Pallas Mosaic GPU kernels (`impl="pallas"`) and CUDA k
 XLA FFI (`impl="cuda"`). Everything public is importable from this module.
 """
 
-from dsv41_jax import attention, backends, buckets, config, kv_cache, layer_types, metadata, reference, rope, scheduler
+from dsv41_jax import (attention, backends, buckets, config, kv_cache, layer_types, metadata, plans, reference, rope,
+                       scheduler)
 from dsv41_jax.attention import (
     DecodeCall,
     PrefillCall,
@@ -68,6 +69,7 @@ from dsv41_jax.metadata import (
     token_positions,
     token_to_req_indices,
 )
+from dsv41_jax.plans import DecodePlan, make_decode_plan, plan_is_stale
 from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
 
 from dsv41_jax import sharding

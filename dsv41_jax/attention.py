@@ -30,6 +30,7 @@ from dsv41_jax.backends import (
     canonical_kv_cache_dtype,
     select_backend,
 )
+from dsv41_jax.plans import DecodePlan
 from dsv41_jax.reference import Pool, sparse_attention_rows
 
 __all__ = [
@@ -56,13 +57,16 @@ class DecodeCall:
     """A checked decode call, as every implementation receives it.
 
     q bf16 [b, s_q, h_q, 512]; kv_cache in `kv_format`; indices int32 [b, s_q, topk];
-    topk_length int32 [b]; attn_sink f32 [h_q] or None; extra_* likewise or None.
+    topk_length int32 [b] or None (every request attends topk; `lengths()` fills it); attn_sink f32
+    [h_q] or None; extra_* likewise or None (extra_topk_length None: every request attends the extra
+    topk); plan: the caller's `DecodePlan` (checked against the call's shapes) or None;
+    batch_invariant: no split-KV (the plan's, when one is given).
     """
 
     q: jax.Array
     kv_cache: jax.Array
     indices: jax.Array
-    topk_length: jax.Array
+    topk_length: jax.Array | None
     kv_format: str
     block_size: int
     softmax_scale: float
@@ -72,23 +76,41 @@ class DecodeCall:
     extra_topk_length: jax.Array | None
     extra_kv_format: str | None
     extra_block_size: int | None
+    plan: DecodePlan | None = None
+    batch_invariant: bool = False
 
     @property
     def has_extra(self) -> bool:
         return self.extra_kv_cache is not None
 
+    def lengths(self) -> tuple[jax.Array, jax.Array | None]:
+        """(topk_length int32 [b], extra_topk_length int32 [b] or None without an extra cache), filled."""
+        b = self.q.shape[0]
+        tl = self.topk_length if self.topk_length is not None else jnp.full((b,), self.indices.shape[2], jnp.int32)
+        if not self.has_extra:
+            return tl, None
+        etl = self.extra_topk_length
+        return tl, etl if etl is not None else jnp.full((b,), self.extra_indices.shape[2], jnp.int32)
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillCall:
     """A checked prefill call: q bf16 [s_q, h_q, 512], kv bf16 [s_kv, 512], indices int32
-    [s_q, topk], topk_length int32 [s_q], attn_sink f32 [h_q] or None."""
+    [s_q, topk], topk_length int32 [s_q] or None (every query attends topk; `lengths()` fills it),
+    attn_sink f32 [h_q] or None."""
 
     q: jax.Array
     kv: jax.Array
     indices: jax.Array
-    topk_length: jax.Array
+    topk_length: jax.Array | None
     softmax_scale: float
     attn_sink: jax.Array | None
+
+    def lengths(self) -> jax.Array:
+        """topk_length int32 [s_q], filled."""
+        if self.topk_length is not None:
+            return self.topk_length
+        return jnp.full((self.q.shape[0],), self.indices.shape[1], jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +201,9 @@ def _check_sink(attn_sink: Any, h_q: int) -> jax.Array | None:
     return jnp.asarray(s, jnp.float32)
 
 
-def _check_lengths(name: str, x: Any, n: int, what: str, default: int) -> jax.Array:
+def _check_lengths(name: str, x: Any, n: int, what: str) -> jax.Array | None:
     if x is None:
-        return jnp.full((n,), default, jnp.int32)
+        return None
     x = _check_array(name, x, 1, kind="int")
     if x.shape != (n,):
         raise ValueError(f"{name} must have shape ({n},) ({what}), got {_shape(x)}")
@@ -237,8 +259,24 @@ def _check_impl(impl: Any) -> str:
     return impl
 
 
+def _check_plan(plan: Any, batch_invariant: Any, *, batch: int, s_q: int, topk: int,
+                extra_topk: int | None) -> tuple[DecodePlan | None, bool]:
+    if batch_invariant is not None and not isinstance(batch_invariant, (bool, np.bool_)):
+        raise TypeError(f"batch_invariant must be a bool (static) or None, got {type(batch_invariant).__name__}")
+    if plan is None:
+        return None, bool(batch_invariant)
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a dsv41_jax.DecodePlan (make_decode_plan), got {type(plan).__name__}")
+    plan.check_call(batch=batch, s_q=s_q, topk=topk, extra_topk=extra_topk)
+    if batch_invariant is not None and bool(batch_invariant) != plan.batch_invariant:
+        raise ValueError(f"batch_invariant={bool(batch_invariant)} but the plan was made with "
+                         f"batch_invariant={plan.batch_invariant}: make the plan with the same setting")
+    return plan, plan.batch_invariant
+
+
 def _make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, softmax_scale, attn_sink,
-                      extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format, extra_block_size) -> DecodeCall:
+                      extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format, extra_block_size,
+                      plan=None, batch_invariant=None) -> DecodeCall:
     q = _check_q(q, 4, "[b, s_q, h_q, 512]")
     b, s_q, h_q, _ = q.shape
     fmt, bs = _check_cache("kv_cache", kv_cache, "kv_format", kv_format, block_size, "block_size")
@@ -246,7 +284,7 @@ def _make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, 
     if indices.shape[:2] != (b, s_q):
         raise ValueError(f"indices must be [b, s_q, topk] = [{b}, {s_q}, topk], got {_shape(indices)}")
     topk = indices.shape[2]
-    topk_length = _check_lengths("topk_length", topk_length, b, "one per request", topk)
+    topk_length = _check_lengths("topk_length", topk_length, b, "one per request")
     scale = _check_scale(softmax_scale)
     sink = _check_sink(attn_sink, h_q)
     extras = (extra_kv_cache, extra_indices)
@@ -261,12 +299,14 @@ def _make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, 
         eidx = _check_array("extra_indices", extra_indices, 3, kind="int")
         if eidx.shape[:2] != (b, s_q):
             raise ValueError(f"extra_indices must be [b, s_q, extra_topk] = [{b}, {s_q}, extra_topk], got {_shape(eidx)}")
-        etl = _check_lengths("extra_topk_length", extra_topk_length, b, "one per request", eidx.shape[2])
+        etl = _check_lengths("extra_topk_length", extra_topk_length, b, "one per request")
         eidx = jnp.asarray(eidx, jnp.int32)
     elif extra_topk_length is not None or extra_kv_format is not None or extra_block_size is not None:
         raise ValueError("extra_topk_length / extra_kv_format / extra_block_size need extra_kv_cache")
+    plan, invariant = _check_plan(plan, batch_invariant, batch=b, s_q=s_q, topk=topk,
+                                  extra_topk=None if eidx is None else eidx.shape[2])
     return DecodeCall(q, kv_cache, jnp.asarray(indices, jnp.int32), topk_length, fmt, bs, scale, sink,
-                      extra_kv_cache, eidx, etl, efmt, ebs)
+                      extra_kv_cache, eidx, etl, efmt, ebs, plan, invariant)
 
 
 def _make_prefill_call(q, kv, indices, softmax_scale, attn_sink, topk_length) -> PrefillCall:
@@ -288,7 +328,7 @@ def _make_prefill_call(q, kv, indices, softmax_scale, attn_sink, topk_length) ->
     indices = _check_array("indices", indices, 2, kind="int")
     if indices.shape[0] != s_q:
         raise ValueError(f"indices must be [s_q, topk] with s_q = {s_q}, got {_shape(indices)}")
-    topk_length = _check_lengths("topk_length", topk_length, s_q, "one per query token", indices.shape[1])
+    topk_length = _check_lengths("topk_length", topk_length, s_q, "one per query token")
     return PrefillCall(q, kv, jnp.asarray(indices, jnp.int32), topk_length, _check_scale(softmax_scale),
                        _check_sink(attn_sink, h_q))
 
@@ -312,9 +352,10 @@ def _decode_xla_f32(c: DecodeCall) -> tuple[jax.Array, jax.Array]:
         return Pool(_gather_fn(cache, fmt, bs), idx.reshape(rows, k), jnp.repeat(lens, s_q),
                     kvc.cache_capacity(cache, fmt, bs))
 
-    pools = [pool(c.kv_cache, c.kv_format, c.block_size, c.indices, c.topk_length)]
+    tl, etl = c.lengths()
+    pools = [pool(c.kv_cache, c.kv_format, c.block_size, c.indices, tl)]
     if c.has_extra:
-        pools.append(pool(c.extra_kv_cache, c.extra_kv_format, c.extra_block_size, c.extra_indices, c.extra_topk_length))
+        pools.append(pool(c.extra_kv_cache, c.extra_kv_format, c.extra_block_size, c.extra_indices, etl))
     out, _, lse = sparse_attention_rows(c.q.reshape(rows, h_q, d), pools, softmax_scale=c.softmax_scale,
                                         attn_sink=c.attn_sink)
     return out.reshape(b, s_q, h_q, d), lse.reshape(b, s_q, h_q)
@@ -331,7 +372,7 @@ def _prefill_xla_f32(c: PrefillCall) -> tuple[jax.Array, jax.Array, jax.Array]:
     def gather(slots):
         return jnp.where((slots >= 0)[..., None], kv[jnp.clip(slots, 0, kv.shape[0] - 1)], 0)
 
-    pool = Pool(gather, c.indices, c.topk_length, kv.shape[0])
+    pool = Pool(gather, c.indices, c.lengths(), kv.shape[0])
     return sparse_attention_rows(c.q, [pool], softmax_scale=c.softmax_scale, attn_sink=c.attn_sink)
 
 
@@ -381,6 +422,8 @@ def sparse_mla_decode(
     extra_kv_format: str | None = None,
     extra_block_size: int | None = None,
     impl: str = "auto",
+    plan: DecodePlan | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sparse MLA decode over a paged cache (FlashMLA's `flash_mla_with_kvcache`, sparse mode).
 
@@ -392,10 +435,19 @@ def sparse_mla_decode(
     cache (its own format and page size) joins the same softmax. Returns `(out bf16 [b, s_q,
     h_q, 512], lse f32 [b, s_q, h_q])`, lse natural-log without the sink, +inf for rows with no
     valid token (whose out is 0).
+
+    plan: the split plan to run over (`dsv41_jax.make_decode_plan`, or a layer type's plan from
+    `build_sparse_swa_metadata`): made once per step and layer type and shared by every layer's call,
+    so the kernels do not plan (`dsv41_jax.plans` says what a plan made from other lengths yields).
+    A plan for other shapes (batch, s_q, topk, extra cache or not, SM parts of this device) raises
+    ValueError. Without one, the kernels that split plan in the call. batch_invariant: no split-KV,
+    so a request's results are bitwise the same whatever else shares its batch (default: the plan's
+    setting, else False).
     """
     impl = _check_impl(impl)
     call = _make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, softmax_scale, attn_sink,
-                             extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format, extra_block_size)
+                             extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format, extra_block_size,
+                             plan, batch_invariant)
     chosen = _choose(_DECODE, impl, call, kv_cache_dtype=call.kv_format, block_size=call.block_size)
     with jax.named_scope("dsv41_sparse_mla_decode"):
         return chosen.fn(call)
@@ -480,6 +532,8 @@ def sparse_mla_mega_decode(
     extra_kv_format: str | None = None,
     extra_block_size: int | None = None,
     impl: str = "auto",
+    plan: DecodePlan | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The mega-attention decode contract (FlashMLA's fused kernel, SM100 in vLLM), as a reference.
 
@@ -491,7 +545,8 @@ def sparse_mla_mega_decode(
     sparse attention as `sparse_mla_decode`, inverse RoPE of the output's last 64 dims, e4m3
     quantisation with one UE8M0 exponent per 32 dims. Returns `(out float8_e4m3fn [T, h_q,
     512], out_scale uint8 [T, h_q, 16], lse f32 [T, h_q])`. Only the "xla" implementation
-    exists (the fused SM100 kernel is not part of this library).
+    exists (the fused SM100 kernel is not part of this library). plan / batch_invariant: as
+    `sparse_mla_decode` with b = T and s_q = 1 (checked; the reference does not split).
     """
     impl = _check_impl(impl)
     if impl not in ("auto", "xla"):
@@ -510,7 +565,7 @@ def sparse_mla_mega_decode(
     eidx = None if extra_indices is None else _check_array("extra_indices", extra_indices, 2, kind="int")
     call = _make_decode_call(qr[:, None], kv_cache, per_token(idx), topk_length, kv_format, block_size,
                              softmax_scale, attn_sink, extra_kv_cache, per_token(eidx), extra_topk_length,
-                             extra_kv_format, extra_block_size)
+                             extra_kv_format, extra_block_size, plan, batch_invariant)
     with jax.named_scope("dsv41_sparse_mla_mega_decode"):
         # the output stays float32 until after the inverse RoPE, as in the fused kernel
         out, lse = _decode_xla_f32(call)

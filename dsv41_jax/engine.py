@@ -145,6 +145,19 @@ def _pool_groups(attn, rows, ring, ring_rows, cm, tp, valid, r: int, cap: int):
     return latent, ring
 
 
+def _step_plans(ecfg: EngineConfig) -> bool:
+    """Whether a step builds its split plans: the cuda kernels run over them and the xla reference checks them
+    (the JAX planner is cheap on a CPU); the pallas kernels do not use them, and on a GPU without the cuda
+    planner kernel the JAX planner's loops would cost the step host round trips."""
+    from dsv41_jax.plans import resolve_planner
+
+    if ecfg.impl == "pallas":
+        return False
+    if ecfg.impl == "auto":
+        return resolve_planner("auto") == "device" or jax.default_backend() == "cpu"
+    return True
+
+
 def _attention_ops(ecfg: EngineConfig):
     if ecfg.mesh is None:
         return _ops.sparse_mla_decode, _ops.sparse_mla_prefill
@@ -176,8 +189,12 @@ def _step(graphdef, params, caches, inp: StepInputs, tables: RopeTables, *, ecfg
     W, BS, CBS = cfg.sliding_window, ecfg.block_size, ecfg.comp_block_size
     fmt, cfmt = ecfg.kv_format, ecfg.comp_format
     ratios = sorted({r for r in cfg.compress_ratios[: cfg.num_hidden_layers] if r})
+    # one split plan per layer type for the whole step (the heads of one shard's call), shared by its layers
+    heads = cfg.num_attention_heads // (ecfg.mesh.shape[ecfg.head_axis] if ecfg.mesh is not None else 1)
     sm = md.build_sparse_swa_metadata(cm, window=W, block_size=BS, num_speculative_tokens=ecfg.num_speculative_tokens,
-                                      compress_ratios=list(cfg.compress_ratios[: cfg.num_hidden_layers]))
+                                      compress_ratios=list(cfg.compress_ratios[: cfg.num_hidden_layers]),
+                                      index_topk=cfg.index_topk if ratios else None,
+                                      num_heads=heads if _step_plans(ecfg) else None)
     tp = md.token_positions(cm.query_start_loc, cm.seq_lens, T)
     valid = cm.slot_mapping >= 0
     t_idx = jnp.arange(T)
@@ -234,7 +251,8 @@ def _step(graphdef, params, caches, inp: StepInputs, tables: RopeTables, *, ecfg
                     gidx, glens = md.global_topk_indices(sel, tp.req, cbt, states_per_page=CBS, is_valid_token=is_dec & valid)
                     dec_kw.update(extra_kv_cache=comp[src], extra_indices=gidx[:, None], extra_topk_length=glens,
                                   extra_kv_format=cfmt, extra_block_size=CBS)
-                out_d, _ = sparse_mla_decode(q[:, None], swa[lid], sm.decode_swa_indices, sm.decode_swa_lens, **dec_kw, **kw)
+                out_d, _ = sparse_mla_decode(q[:, None], swa[lid], sm.decode_swa_indices, sm.decode_swa_lens,
+                                             plan=sm.tile_sched.get(role.layer_type), **dec_kw, **kw)
                 N = ecfg.max_model_len // r if r else 0
                 M = N + T + W - 1
                 c_sl, s_sl = md.prefill_workspace_slots(

@@ -28,6 +28,7 @@ import numpy as np
 
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
 from dsv41_jax.layer_types import required_layer_types
+from dsv41_jax.plans import DecodePlan, make_plans
 
 __all__ = [
     "CommonAttentionMetadata",
@@ -187,7 +188,9 @@ def token_to_req_indices(query_start_loc: jax.Array, num_tokens: int) -> jax.Arr
     qsl = _arr("query_start_loc", query_start_loc, 1)
     n = _static_int("num_tokens", num_tokens, lo=0)
     t = jnp.arange(n, dtype=_I32)
-    req = jnp.searchsorted(qsl[1:], t, side="right").astype(_I32)
+    # compare_all: one vectorised comparison (the default scan method is an XLA while loop, a host round trip
+    # per iteration on GPUs)
+    req = jnp.searchsorted(qsl[1:], t, side="right", method="compare_all").astype(_I32)
     return jnp.where(t < qsl[-1], req, 0)
 
 
@@ -619,9 +622,10 @@ class DeepseekSparseSWAMetadata:
     and prefill rows of decode tokens have len 0 and indices -1. Per-request prefill arrays
     are likewise aligned with requests (0 for decode requests).
 
-    tile_sched: for each layer type present, `(tile_scheduler_metadata int32[P, 8], num_splits
-    int32[T + 1])` planned over the decode rows (each decode token is one batch row), or {}
-    when no `num_sm_parts` was given.
+    tile_sched: for each layer type present, its `DecodePlan` over the decode rows (each decode
+    token is one batch row, s_q = 1), to pass as `sparse_mla_decode(..., plan=...)` to every layer
+    of the type (it unpacks as `(tile_scheduler_metadata int32[P, 8], num_splits int32[T + 1])`), or
+    {} when the builder was given neither `num_heads` nor `num_sm_parts`.
     """
 
     block_table: jax.Array
@@ -655,6 +659,20 @@ class DeepseekSparseSWAMetadata:
         return jnp.where(dec, jnp.minimum((self.token_positions + 1) // r, index_topk), 0).astype(_I32)
 
 
+def _plans_with_parts(lens: jax.Array, extras: dict, *, topk: int, num_sm_parts: int) -> dict:
+    """Plans over an explicit part count (`plan_decode_splits`), as `DecodePlan`s made for no device."""
+    from dsv41_jax.scheduler import plan_decode_splits
+
+    out = {}
+    for lt, ex in extras.items():
+        el, et = ex if ex is not None else (None, None)
+        meta, splits = plan_decode_splits(lens, topk=topk, num_sm_parts=num_sm_parts, extra_topk_length=el,
+                                          extra_topk=et)
+        out[lt] = DecodePlan(meta, splits, batch=int(lens.shape[0]), s_q=1, topk=topk, extra_topk=et,
+                             num_sm_parts=num_sm_parts, num_sms=None, num_heads=None)
+    return out
+
+
 def build_sparse_swa_metadata(
     common: CommonAttentionMetadata,
     *,
@@ -664,13 +682,21 @@ def build_sparse_swa_metadata(
     compress_ratios: Sequence[int] | None = None,
     index_topk: int | None = None,
     num_sm_parts: int | None = None,
+    num_heads: int | None = None,
+    num_sms: int | None = None,
+    batch_invariant: bool = False,
+    planner: str = "auto",
 ) -> DeepseekSparseSWAMetadata:
     """The V4.1 sparse-SWA metadata builder (vLLM's `DeepseekV41SparseSWAMetadataBuilder`).
 
     Splits decodes from prefills at `decode_threshold(num_speculative_tokens)`, computes the
-    window indices of both, the prefill gather lengths, and, given `num_sm_parts`, one split
-    plan per V4.1 layer type present in `compress_ratios` (default `[0]`): swaonly plans the
-    window alone; c1a / c2a add `min((pos + 1) // r, index_topk)` compressed entries.
+    window indices of both, the prefill gather lengths, and, given `num_heads` (the query heads of
+    one decode call: per shard under head parallelism), one `DecodePlan` per V4.1 layer type present
+    in `compress_ratios` (default `[0]`): swaonly plans the window alone; c1a / c2a add
+    `min((pos + 1) // r, index_topk)` compressed entries. The plans of all types come from one
+    planner launch on a GPU (`dsv41_jax.plans.make_plans`; num_sms, batch_invariant, planner as
+    there). `num_sm_parts` (without `num_heads`) plans with that many parts instead, with the JAX
+    planner (tests, other part counts); such plans fit impl="cuda" only where the counts agree.
     """
     W = _static_int("window", window)
     bs = _static_int("block_size", block_size)
@@ -695,14 +721,12 @@ def build_sparse_swa_metadata(
     is_pre_req = (rr >= split.num_decodes) & (rr < common.num_reqs)
     ql = common.query_lens
     gl = prefill_gather_lens(common.query_start_loc, common.seq_lens, window=W)
-    tile_sched: dict[str, tuple[jax.Array, jax.Array]] = {}
-    if num_sm_parts is not None:
-        from dsv41_jax.scheduler import plan_decode_splits
-
-        P = _static_int("num_sm_parts", num_sm_parts)
+    tile_sched: dict = {}
+    if num_heads is not None or num_sm_parts is not None:
+        extras = {}
         for lt in types:
             if lt == "swaonly":
-                tile_sched[lt] = plan_decode_splits(d_lens, topk=W, num_sm_parts=P)
+                extras[lt] = None
                 continue
             if index_topk is None:
                 raise ValueError(f"index_topk is required to plan layer type {lt!r}")
@@ -711,9 +735,12 @@ def build_sparse_swa_metadata(
             # The plan must use the lengths the kernel gets (`decode_extra_topk_lens`): a decode token
             # with slot -1 (d_lens 0) attends no compressed entry either.
             extra = jnp.where(d_lens > 0, jnp.minimum((tp.pos + 1) // r, K), 0)
-            tile_sched[lt] = plan_decode_splits(
-                d_lens, topk=W, num_sm_parts=P, extra_topk_length=extra.astype(_I32), extra_topk=K
-            )
+            extras[lt] = (extra.astype(_I32), K)
+        if num_heads is not None:
+            tile_sched = make_plans(d_lens, extras, s_q=1, num_heads=_static_int("num_heads", num_heads), topk=W,
+                                    num_sms=num_sms, batch_invariant=batch_invariant, planner=planner)
+        else:
+            tile_sched = _plans_with_parts(d_lens, extras, topk=W, num_sm_parts=_static_int("num_sm_parts", num_sm_parts))
     return DeepseekSparseSWAMetadata(
         block_table=common.block_table,
         slot_mapping=common.slot_mapping,

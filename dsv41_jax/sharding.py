@@ -13,9 +13,16 @@
   the query tokens and replicates `kv`.
 Both axes may be given together (a 2-D mesh). The metadata builders are pure functions, so they run
 inside `shard_map` on per-shard inputs as they do on one device.
+
+Split plans: `make_decode_plan_sharded` makes a step's plan for one shard's call (its heads, its
+requests), once, and `sparse_mla_decode_sharded(..., plan=...)` hands each shard its own: with
+head parallelism only every shard runs the same plan (replicated); with request parallelism each
+shard has its own plan over its requests (the plan's arrays carry a leading axis of the batch shards).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -25,8 +32,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsv41_jax.attention import sparse_mla_decode, sparse_mla_prefill
+from dsv41_jax.plans import DecodePlan, make_decode_plan
 
-__all__ = ["sparse_mla_decode_sharded", "sparse_mla_prefill_sharded", "local_block_tables", "head_sharding"]
+__all__ = ["sparse_mla_decode_sharded", "sparse_mla_prefill_sharded", "make_decode_plan_sharded", "local_block_tables",
+           "head_sharding"]
 
 
 def _axis_size(mesh: Mesh, axis: str | None) -> int:
@@ -49,6 +58,45 @@ def head_sharding(mesh: Mesh, head_axis: str, ndim: int, head_dim_index: int) ->
     return NamedSharding(mesh, P(*spec))
 
 
+def make_decode_plan_sharded(
+    topk_length: jax.Array,
+    *,
+    mesh: Mesh,
+    s_q: int,
+    num_heads: int,
+    topk: int,
+    head_axis: str | None = None,
+    batch_axis: str | None = None,
+    extra_topk_length: jax.Array | None = None,
+    extra_topk: int | None = None,
+    **kwargs,
+) -> DecodePlan:
+    """The split plan of a `sparse_mla_decode_sharded` call (same mesh and axes): `make_decode_plan` for one
+    shard's call (num_heads: all of q's heads; each shard gets num_heads / the head axis size). With
+    `batch_axis` each shard plans its own requests (inside `shard_map`) and the plan's arrays gain a leading
+    axis of the batch shards. kwargs: num_sms, batch_invariant, planner."""
+    if head_axis is None and batch_axis is None:
+        raise ValueError("give head_axis and/or batch_axis")
+    nh, nb = _axis_size(mesh, head_axis), _axis_size(mesh, batch_axis)
+    _check_div("num_heads", num_heads, head_axis, nh)
+    b = topk_length.shape[0]
+    _check_div("batch", b, batch_axis, nb)
+    pk = dict(s_q=s_q, num_heads=num_heads // nh, topk=topk, extra_topk=extra_topk, **kwargs)
+    if batch_axis is None:
+        return make_decode_plan(topk_length, extra_topk_length=extra_topk_length, **pk)
+    has_el = extra_topk_length is not None
+
+    def body(tl, *el):
+        p = make_decode_plan(tl, extra_topk_length=el[0] if has_el else None, **pk)
+        return p.tile_scheduler_metadata[None], p.num_splits[None]
+
+    args = (topk_length, extra_topk_length) if has_el else (topk_length,)
+    meta, splits = jax.shard_map(body, mesh=mesh, in_specs=(P(batch_axis),) * len(args),
+                                 out_specs=(P(batch_axis), P(batch_axis)), check_vma=False)(*args)
+    shape = jax.eval_shape(lambda: make_decode_plan(jnp.zeros((b // nb,), jnp.int32), **pk))
+    return dataclasses.replace(shape, tile_scheduler_metadata=meta, num_splits=splits)
+
+
 def sparse_mla_decode_sharded(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -62,12 +110,14 @@ def sparse_mla_decode_sharded(
     extra_indices: jax.Array | None = None,
     extra_topk_length: jax.Array | None = None,
     attn_sink: jax.Array | None = None,
+    plan: DecodePlan | None = None,
     **kwargs,
 ) -> tuple[jax.Array, jax.Array]:
     """`sparse_mla_decode` over a mesh; same arguments and results (see the module docstring).
 
     With `batch_axis`, `kv_cache` / `extra_kv_cache` hold every shard's pages concatenated along
-    the block axis and each shard's indices are local to its pages.
+    the block axis and each shard's indices are local to its pages. plan: from
+    `make_decode_plan_sharded` with the same mesh and axes (each shard checks it against its call).
     """
     if head_axis is None and batch_axis is None:
         raise ValueError("give head_axis and/or batch_axis")
@@ -93,6 +143,16 @@ def sparse_mla_decode_sharded(
     if has_extra:
         args += [extra_kv_cache, extra_indices, extra_topk_length]
         specs += [cache_spec, P(batch_axis, None, None), row]
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a dsv41_jax.DecodePlan (make_decode_plan_sharded), got {type(plan).__name__}")
+        lead = plan.tile_scheduler_metadata.ndim == 3
+        if lead != (batch_axis is not None) or (lead and plan.tile_scheduler_metadata.shape[0] != nb):
+            raise ValueError(f"plan: with batch_axis={batch_axis!r} the plan needs a leading axis of {nb} batch shards "
+                             f"(make_decode_plan_sharded with the same mesh and axes), got arrays of shape "
+                             f"{tuple(plan.tile_scheduler_metadata.shape)}")
+        args.append(plan)
+        specs.append(jax.tree.map(lambda _: P(batch_axis) if batch_axis else P(), plan))
 
     def body(*a):
         q, cache, idx, tl, *rest = a
@@ -100,7 +160,13 @@ def sparse_mla_decode_sharded(
         extra = {}
         if has_extra:
             extra = dict(extra_kv_cache=rest[0], extra_indices=rest[1], extra_topk_length=rest[2])
-        return sparse_mla_decode(q, cache, idx, tl, attn_sink=sink, **extra, **kwargs)
+            rest = rest[3:]
+        shard_plan = None
+        if plan is not None:
+            shard_plan = rest[0]
+            if batch_axis is not None:
+                shard_plan = jax.tree.map(lambda x: x[0], shard_plan)
+        return sparse_mla_decode(q, cache, idx, tl, attn_sink=sink, plan=shard_plan, **extra, **kwargs)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
                       out_specs=(P(batch_axis, None, head_axis, None), P(batch_axis, None, head_axis)),

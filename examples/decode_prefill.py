@@ -116,8 +116,9 @@ def main(argv=None) -> int:
     Td = dm.padded_num_tokens
     kv_new = jnp.zeros((Td, 512), jnp.bfloat16).at[:3].set(jnp.stack([x[n] for x, n in zip(lat, prompts)]))
     swa = kvc.insert(swa, kv_new, dm.slot_mapping, fmt=fmt, block_size=BS)
+    # one split plan per layer type for the step (H heads per call), shared by every layer of the type
     sm = d.build_sparse_swa_metadata(dm, window=W, block_size=BS, compress_ratios=[0, R2], index_topk=TOPK,
-                                     num_sm_parts=4)
+                                     num_heads=H)
     dtp = d.token_positions(dm.query_start_loc, dm.seq_lens, Td)
     dvis = (dtp.pos + 1) // R2
     dtop = jnp.where(k < jnp.minimum(dvis, TOPK)[:, None], jnp.maximum(dvis[:, None] - TOPK, 0) + k, -1)
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     out, lse = d.sparse_mla_decode(qd, swa, sm.decode_swa_indices, sm.decode_swa_lens, kv_format=fmt, block_size=BS,
                                    softmax_scale=scale, attn_sink=sink, extra_kv_cache=comp,
                                    extra_indices=gidx[:, None], extra_topk_length=glens, extra_kv_format=fmt,
-                                   extra_block_size=CBS, impl=args.impl)
+                                   extra_block_size=CBS, impl=args.impl, plan=sm.tile_sched["c2a"])
     out.block_until_ready()
     print(f"decode: {int(sm.num_decode_tokens)} decode tokens (padded {Td}), window lens "
           f"{np.asarray(sm.decode_swa_lens)[:3].tolist()}, compressed lens {np.asarray(glens)[:3].tolist()}, "

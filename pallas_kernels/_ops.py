@@ -218,7 +218,11 @@ def _scale_offsets() -> bool:
 
 
 def decode(call, *, num_splits: int | None = None):
-    """`impl="pallas"` decode of a checked `DecodeCall`: (out bf16 [b, s_q, h, 512], lse f32 [b, s_q, h])."""
+    """`impl="pallas"` decode of a checked `DecodeCall`: (out bf16 [b, s_q, h, 512], lse f32 [b, s_q, h]).
+
+    The kernel splits each row into `num_splits` equal parts (`choose_num_splits`); a plan's
+    FlashMLA part ranges are not used (its shapes were checked by the op), batch_invariant gives one
+    split."""
     b, s_q, h, d = call.q.shape
     R = b * s_q
 
@@ -226,11 +230,13 @@ def decode(call, *, num_splits: int | None = None):
         return idx.reshape(R, idx.shape[2]), jnp.repeat(lens.astype(jnp.int32), s_q)
 
     so = _scale_offsets()
-    pools = [pool_operands(call.kv_cache, call.kv_format, call.block_size, *rows(call.indices, call.topk_length),
-                           scale_offsets=so)]
+    tl, etl = call.lengths()
+    pools = [pool_operands(call.kv_cache, call.kv_format, call.block_size, *rows(call.indices, tl), scale_offsets=so)]
     if call.has_extra:
         pools.append(pool_operands(call.extra_kv_cache, call.extra_kv_format, call.extra_block_size,
-                                   *rows(call.extra_indices, call.extra_topk_length), scale_offsets=so))
+                                   *rows(call.extra_indices, etl), scale_offsets=so))
+    if call.batch_invariant:  # one program per row and head group over the whole row: no split-KV
+        num_splits = 1
     # bf16 operands: f16 ones (kernel_options(f16=True)) measured no faster here, the memory
     # warpgroup's gather bounds decode (benchmarks/pallas_notes.md, section 8)
     out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits)
@@ -241,7 +247,7 @@ def prefill(call, *, num_splits: int | None = None):
     """`impl="pallas"` prefill of a checked `PrefillCall`: (out bf16 [s_q, h, 512], max_logits, lse f32 [s_q, h])."""
     kv = call.kv
     pool = pool_operands(kv.reshape(1, kv.shape[0], kv.shape[1]), "bf16", kv.shape[0], call.indices,
-                         call.topk_length.astype(jnp.int32))
+                         call.lengths().astype(jnp.int32))
     s_q, h, _ = call.q.shape
     return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits,
                 f16=prefill_rows_f16(kv.shape[0], s_q, call.indices.shape[1], h))

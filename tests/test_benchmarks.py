@@ -49,3 +49,38 @@ def test_sparse_mla_breakdown_needs_cupti(capsys):
         sparse_mla.main(["--breakdown", "--timer", "wall", "--cases", "no_such_case"])
     assert e.value.code == 2
     assert "--breakdown needs CUPTI timing, got 'wallclock'" in capsys.readouterr().err
+
+
+def test_flashmla_cases_draw_valid_inputs():
+    # the side-by-side inputs: FlashMLA's case list, valid fp8 records (no NaN codes), per-row distinct indices that
+    # stay inside each request's pages, FLOPs as FlashMLA counts them
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import flashmla_cases as F
+    from dsv41_jax import kv_cache as kvc
+
+    assert len(F.DECODE_CASES) == 28 and len(F.PREFILL_CASES) == 7
+    case = F.DecodeCase(3, 8, 128, 16, 300, 64, 2, 200, True)
+    x = F.decode_inputs(case)
+    idx = np.asarray(x["indices"])
+    assert idx.shape == (3, 2, 128) and (idx >= -1).all() and (idx >= 0).any()
+    for row in idx.reshape(6, 128):  # distinct slots, then -1 past a sequence shorter than topk
+        valid = row[row >= 0]
+        assert np.unique(valid).size == valid.size and (row[valid.size:] == -1).all()
+    g = np.asarray(kvc.gather(x["kv_cache"], jnp.asarray(idx.reshape(-1)), fmt="fp8_ds_mla", block_size=16), np.float32)
+    assert np.isfinite(g).all() and np.abs(g).max() > 0
+    el = np.asarray(x["extra_topk_length"])
+    assert el.shape == (3,) and ((el >= 0) & (el <= 64)).all()
+    assert x["flops"] == 2 * 8 * (3 * 2 * 128 + 2 * int(el.sum())) * 1024
+
+
+def test_benchmark_suites_need_cupti(capsys):
+    import pytest
+
+    from benchmarks import sparse_mla
+
+    for suite in ("flashmla", "step"):
+        with pytest.raises(SystemExit):
+            sparse_mla.main(["--suite", suite, "--impls", "xla"])
+        assert "needs CUPTI timing" in capsys.readouterr().err

@@ -11,9 +11,9 @@
    handlers. Decode and prefill cases of the shared grid (plus split-heavy, multi-group and
    multi-request shapes) are compared with the float64 oracle under FlashMLA's tolerances, and
    two runs under different thread interleavings must agree bitwise.
-4. The device split planner (one warp, run by the emulator) against
-   `dsv41_jax.scheduler.plan_decode_splits` bit for bit on many random cases, and the plan the
-   decode FFI call returns (plan="device" and plan="jax").
+4. The device split planner (one warp per plan, run by the emulator) against
+   `dsv41_jax.scheduler.plan_decode_splits` bit for bit on many random cases; the decode over a
+   plan made in the call, passed in, stale (made from other lengths) or batch-invariant.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pytest
 
 import cuda_ffi
 from cuda_ffi import build as cbuild
-from dsv41_jax import plan_decode_splits, sparse_mla_decode, sparse_mla_prefill
+from dsv41_jax import make_decode_plan, plan_decode_splits, plan_is_stale, sparse_mla_decode, sparse_mla_prefill
 from dsv41_jax.attention import DecodeCall, PrefillCall, _make_decode_call, _make_prefill_call
 from tests.attention_cases import (
     DECODE_GRID,
@@ -90,13 +90,13 @@ def _prefill_call(case) -> PrefillCall:
 # ------------------------------------------------------------------------------ build + load
 def test_library_builds_and_exports_handlers(cuda_lib):
     lib = ctypes.CDLL(str(cuda_lib))
-    for sym in ("Dsv41SparseMlaDecode", "Dsv41SparseMlaPrefill", "dsv41_cuda_abi_version"):
+    for sym in (*cuda_ffi.EXPORTED_SYMBOLS.values(), "dsv41_cuda_abi_version"):
         assert hasattr(lib, sym), f"{cuda_lib} does not export {sym}"
     lib.dsv41_cuda_abi_version.restype = ctypes.c_int
     assert lib.dsv41_cuda_abi_version() == cuda_ffi.ABI_VERSION
     assert cuda_ffi.load_library() is not None
     report = (cuda_lib.parent / "ptxas_report.txt").read_text()
-    for kernel in ("dsv41_decode_kernel", "dsv41_combine_kernel", "dsv41_prefill_kernel"):
+    for kernel in ("dsv41_decode_kernel", "dsv41_combine_kernel", "dsv41_plan_kernel", "dsv41_prefill_kernel"):
         for arch in ("sm_90a", "sm_100a"):
             assert any(kernel in line and arch in line for line in report.splitlines()), (kernel, arch, report)
     # ptxas keeps every wgmma pipeline as written: no injected warpgroup waits, no serialised wgmmas
@@ -151,8 +151,8 @@ def test_decode_lowers_to_custom_call(cuda_lib, fmt, extra):
     text, shapes = _lower_decode(case)
     assert "dsv41_sparse_mla_decode" in text
     assert shapes == [(2, 3, 20, 512), (2, 3, 20)]
-    # the plan is computed by the handler's planner kernel: no XLA while loops in the module
-    assert "stablehlo.while" not in text and "device_plan = 1" in text
+    # the plan is computed by the planner kernel: no XLA while loops in the module
+    assert "stablehlo.while" not in text and "dsv41_plan_decode_splits" in text
 
 
 def test_prefill_lowers_to_custom_call(cuda_lib):
@@ -512,7 +512,8 @@ def test_handler_checks_name_the_argument(emu):
     from cuda_ffi.emulate import run_decode_ffi, run_prefill_ffi
 
     case = make_decode_case(25, fmt="fp8_ds_mla", topk=64, h_q=4)
-    args, attrs, results, _ = _ops.prepare_decode(_decode_call(case), num_sms=8)
+    call = _decode_call(case)
+    args, attrs, results, _ = _ops.prepare_decode(call, _ops.call_plan(call, num_sms=8, planner="jax"))
     bad = list(args)
     bad[4] = bad[4][:16]  # attn_sink
     with pytest.raises(ValueError, match=r"attn_sink: expected shape \[64\], got \[16\]"):
@@ -521,18 +522,22 @@ def test_handler_checks_name_the_argument(emu):
     bad[2] = bad[2].astype(jnp.float32)  # indices
     with pytest.raises(ValueError, match="indices: expected dtype int32, got float32"):
         run_decode_ffi(bad, attrs, results)
+    bad = list(args)
+    bad[3] = bad[3][:2]  # topk_length: [b] or [1]
+    with pytest.raises(ValueError, match=r"topk_length: expected shape \[3\] \(one per row\) or \[1\]"):
+        run_decode_ffi(bad, attrs, results)
     with pytest.raises(ValueError, match="kv_cache block_size: expected 1..1048576, got 0"):
         run_decode_ffi(args, dict(attrs, block_size=np.int64(0)), results)
-    with pytest.raises(ValueError, match="device_plan: expected 0 or 1, got 2"):
-        run_decode_ffi(args, dict(attrs, device_plan=np.int64(2)), results)
-    # plan="jax": the plan inputs must match the plan results
-    jargs, jattrs, jresults, _ = _ops.prepare_decode(_decode_call(case), num_sms=8, plan="jax")
-    bad = list(jargs)
+    bad = list(args)
     bad[6] = bad[6][:-1]  # num_splits
     with pytest.raises(ValueError, match=r"num_splits: expected shape \[4\], got \[3\]"):
-        run_decode_ffi(bad, jattrs, jresults)
-    with pytest.raises(ValueError, match="plan must be one of"):
-        _ops.prepare_decode(_decode_call(case), plan="host")
+        run_decode_ffi(bad, attrs, results)
+    bad = list(results)
+    bad[2] = jax.ShapeDtypeStruct((5,) + bad[2].shape[1:], bad[2].dtype)  # o_accum: b + parts slots, or 1
+    with pytest.raises(ValueError, match=r"o_accum: expected 7 slots \(b \+ num_parts\) or 1"):
+        run_decode_ffi(args, attrs, bad)
+    with pytest.raises(ValueError, match="planner must be one of"):
+        _ops.call_plan(call, planner="host")
     pcase = make_prefill_case(26, s_q=2, h_q=4, topk=64)
     pargs, pattrs, presults, _ = _ops.prepare_prefill(_prefill_call(pcase))
     with pytest.raises(ValueError, match=r"q: expected the head count padded to a positive multiple of 64"):
@@ -622,26 +627,109 @@ def test_emulated_planner_refuses_plans_past_its_int32_positions(emu):
     assert splits.shape == (33,) and meta.shape == (4, 8)
 
 
-def test_emulated_decode_returns_its_plan(emu):
-    # the decode FFI contract: the plan the kernels used comes back; device and jax plans agree, and so do
-    # the outputs (bitwise: same plan, same accumulation order)
+def test_emulated_batch_planner_plans_each_layer_type(emu):
+    # one launch, one warp per plan: every plan equals plan_decode_splits of its own lengths
+    from cuda_ffi.emulate import plan_batch_emulated
+
+    rng = np.random.default_rng(11)
+    b, parts = 37, 13
+    tl = rng.integers(0, 129, b).astype(np.int32)
+    e1, e2 = rng.integers(0, 600, b).astype(np.int32), rng.integers(0, 300, b).astype(np.int32)
+    etl = np.stack([np.zeros(b, np.int32), e1, e2])
+    meta, splits = plan_batch_emulated(tl, etl, batch=b, topk=128, extra_topk=[0, 512, 512], has_extra=[0, 1, 1],
+                                       num_sm_parts=parts)
+    wants = [plan_decode_splits(tl, topk=128, num_sm_parts=parts),
+             plan_decode_splits(tl, topk=128, num_sm_parts=parts, extra_topk_length=np.minimum(e1, 512)),
+             plan_decode_splits(tl, topk=128, num_sm_parts=parts, extra_topk_length=e2)]
+    for j, (wm, ws) in enumerate(wants):
+        np.testing.assert_array_equal(meta[j], np.asarray(wm), err_msg=f"plan {j}")
+        np.testing.assert_array_equal(splits[j], np.asarray(ws), err_msg=f"plan {j}")
+    # one length for every request ([1] operands)
+    meta1, splits1 = plan_batch_emulated(np.array([100], np.int32), np.array([[0], [300]], np.int32), batch=b,
+                                         topk=128, extra_topk=[0, 512], has_extra=[0, 1], num_sm_parts=parts)
+    full = np.full(b, 100, np.int32)
+    for j, et in enumerate([None, np.full(b, 300, np.int32)]):
+        wm, ws = plan_decode_splits(full, topk=128, num_sm_parts=parts, extra_topk_length=et)
+        np.testing.assert_array_equal(meta1[j], np.asarray(wm))
+        np.testing.assert_array_equal(splits1[j], np.asarray(ws))
+
+
+def test_emulated_decode_plan_in_call_and_passed_in(emu):
+    # the plan made in the call (emulated planner kernel) is FlashMLA's; passing a plan made by make_decode_plan
+    # gives bitwise the same outputs (same plan, same accumulation order)
     from cuda_ffi.emulate import decode_emulated
 
     case = make_decode_case(27, b=5, s_q=1, h_q=8, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
                             extra=dict(topk=128, block_size=2, fmt="bf16"))
     call = _decode_call(case)
-    dev = decode_emulated(call, num_sms=16, return_plan=True)
-    jx = decode_emulated(call, num_sms=16, plan="jax", return_plan=True)
+    got = decode_emulated(call, num_sms=16, return_plan=True)
     topk = call.indices.shape[2]
-    tl = jnp.clip(call.topk_length, 0, topk)
-    etl = jnp.clip(call.extra_topk_length, 0, call.extra_indices.shape[2])
-    want = plan_decode_splits(tl, topk=topk, num_sm_parts=16, extra_topk_length=etl)
-    for got in (dev, jx):
-        np.testing.assert_array_equal(got[2], np.asarray(want[0]))
-        np.testing.assert_array_equal(got[3], np.asarray(want[1]))
+    plan = make_decode_plan(call.topk_length, s_q=1, num_heads=8, topk=topk, extra_topk_length=call.extra_topk_length,
+                            extra_topk=call.extra_indices.shape[2], num_sms=16, planner="jax")
+    want = plan_decode_splits(jnp.clip(call.topk_length, 0, topk), topk=topk, num_sm_parts=16,
+                              extra_topk_length=jnp.clip(call.extra_topk_length, 0, call.extra_indices.shape[2]))
+    for p in (got[2], plan):
+        np.testing.assert_array_equal(np.asarray(p.tile_scheduler_metadata), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(p.num_splits), np.asarray(want[1]))
     assert np.asarray(want[1])[-1] > 5, "the case should split some requests"
-    for x, y in zip(dev[:2], jx[:2]):
+    given = decode_emulated(dataclasses.replace(call, plan=plan), num_sms=16)
+    for x, y in zip(got[:2], given):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     e_out, e_lse = case.expected()
-    assert_close(dev[0], e_out, "decode_out", "out")
-    assert_close(dev[1], e_lse, "decode_lse", "lse")
+    assert_close(got[0], e_out, "decode_out", "out")
+    assert_close(got[1], e_lse, "decode_lse", "lse")
+
+
+def _stale_case(seed, **kw):
+    return make_decode_case(seed, b=6, s_q=2, h_q=8, topk=512, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            extra=dict(topk=256, block_size=2, fmt="fp8_ds_mla", lengths="var"), **kw)
+
+
+def test_emulated_decode_stale_plans_stay_in_bounds(emu):
+    # a plan made from other lengths: finite everywhere, never NaN from the poisoned unused slots; from longer
+    # lengths (every request at topk) exact; from shorter ones the tokens outside the plan's blocks are dropped
+    from cuda_ffi.emulate import decode_emulated
+
+    case = _stale_case(28)
+    call = _decode_call(case)
+    b, topk, etopk = 6, 512, call.extra_indices.shape[2]
+    rng = np.random.default_rng(3)
+
+    def plan_for(tl, etl):
+        return make_decode_plan(jnp.asarray(tl, jnp.int32), s_q=2, num_heads=8, topk=topk,
+                                extra_topk_length=jnp.asarray(etl, jnp.int32), extra_topk=etopk, num_sms=24,
+                                planner="jax")
+
+    longest = plan_for(np.full(b, topk), np.full(b, etopk))
+    out, lse = decode_emulated(dataclasses.replace(call, plan=longest), num_sms=24)
+    e_out, e_lse = case.expected()
+    assert_close(out, e_out, "decode_out", "out")
+    assert_close(lse, e_lse, "decode_lse", "lse")
+    for i in range(4):
+        stale = plan_for(rng.integers(0, topk + 1, b), rng.integers(0, etopk + 1, b))
+        assert bool(plan_is_stale(stale, call.topk_length, call.extra_topk_length))
+        out, lse = decode_emulated(dataclasses.replace(call, plan=stale), num_sms=24, seed=5 + i)
+        assert np.isfinite(np.asarray(out, np.float32)).all(), f"stale plan {i}: out not finite"
+        assert not np.isnan(np.asarray(lse)).any(), f"stale plan {i}: lse NaN"
+    fresh = plan_for(call.topk_length, call.extra_topk_length)
+    assert not bool(plan_is_stale(fresh, call.topk_length, call.extra_topk_length))
+
+
+@pytest.mark.parametrize("h_q,pair", [(8, False), (128, True)])
+def test_emulated_decode_batch_invariant(emu, h_q, pair):
+    # no split-KV and one part per request: a request's out and lse are bitwise the same alone and in any batch
+    from cuda_ffi.emulate import decode_emulated
+
+    case = make_decode_case(29, b=5, s_q=2, h_q=h_q, topk=300, block_size=61, fmt="fp8_ds_mla", lengths="var",
+                            s_kv=900, extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla", lengths="var"))
+    call = dataclasses.replace(_decode_call(case), batch_invariant=True)
+    full = decode_emulated(call, num_sms=16)
+    e_out, e_lse = case.expected()
+    assert_close(full[0], e_out, "decode_out", "out")
+    assert_close(full[1], e_lse, "decode_lse", "lse")
+    perm = np.array([3, 0, 4])
+    sub = dataclasses.replace(call, q=call.q[perm], indices=call.indices[perm], topk_length=call.topk_length[perm],
+                              extra_indices=call.extra_indices[perm], extra_topk_length=call.extra_topk_length[perm])
+    part = decode_emulated(sub, num_sms=16, seed=9)
+    for x, y in zip(full, part):
+        np.testing.assert_array_equal(np.asarray(x, np.float32)[perm], np.asarray(y, np.float32))

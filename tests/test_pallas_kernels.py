@@ -65,6 +65,10 @@ CASES = {
                                                         softmax_scale=0.5), None, False),
     "prefill_no_lengths_splits2_races": ("prefill", dict(s_q=1, h_q=16, topk=256, s_kv=300, lengths="none"), 2, True,
                                          dict(f16=True)),
+    # with a plan and batch_invariant=True (one split where the heuristic picks two): a sub-batch's rows are
+    # bitwise the rows of the whole batch
+    "decode_fp8_plan_batch_invariant": ("decode_invariant", dict(fmt="fp8_ds_mla", block_size=64, topk=512, h_q=8, b=3,
+                                                                 s_q=1, s_kv=700), None, False),
 }
 
 
@@ -86,11 +90,22 @@ def _run_case(name: str) -> dict:
         if kind == "decode":
             case = make_decode_case(seed, **kw)
             res = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))(*case.args())
+        elif kind == "decode_invariant":
+            case = make_decode_case(seed, **kw)
+            q, cache, idx, tl = case.args()
+            plan = d.make_decode_plan(tl, s_q=1, num_heads=kw["h_q"], topk=kw["topk"], batch_invariant=True)
+            f = jax.jit(lambda p, q, i, t: d.sparse_mla_decode(q, cache, i, t, **case.kwargs(), impl="pallas", plan=p))
+            res = jax.block_until_ready(f(plan, q, idx, tl))
+            sub = np.array([2, 0])
+            plan_sub = d.make_decode_plan(tl[sub], s_q=1, num_heads=kw["h_q"], topk=kw["topk"], batch_invariant=True)
+            part = jax.block_until_ready(f(plan_sub, q[sub], idx[sub], tl[sub]))
+            for x, y in zip(res, part):
+                np.testing.assert_array_equal(np.asarray(x, np.float32)[sub], np.asarray(y, np.float32))
         else:
             case = make_prefill_case(seed, **kw)
             res = jax.jit(lambda *a: d.sparse_mla_prefill(*a, **case.kwargs(), impl="pallas"))(*case.args())
         res = jax.block_until_ready(res)
-    if kind == "decode":
+    if kind != "prefill":
         case.check(*res, name)
     else:
         case.check(res, name)

@@ -10,9 +10,10 @@ Run on the GPU machine from the repository root:
 - determinism: two runs are bitwise equal;
 - the f16 range: kv beyond 65504 saturates (finite outputs equal the oracle on clamped values), and fp8
   tiles with UE8M0 exponents inside and outside the f16x2 dequant fast path's [-14, 7];
-- the split plan computed on the device by the FFI handler's planner kernel (returned as extra FFI
-  results) equals `plan_decode_splits` bit for bit, and plan="device" / plan="jax" give bitwise
-  equal outputs.
+- the split plan of the planner kernel (`make_decode_plan(planner="device")`, the metadata builder's
+  plans of three layer types in one launch) equals `plan_decode_splits` bit for bit; the op with no
+  plan, the device plan and the JAX plan give bitwise equal outputs; stale plans stay finite (exact
+  when made for longer lengths); batch_invariant=True is bitwise invariant to the batch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ if jax.default_backend() != "gpu":
 
 import cuda_ffi  # noqa: E402
 from cuda_ffi import _ops  # noqa: E402
-from dsv41_jax import num_sm_parts_for, plan_decode_splits, sparse_mla_decode, sparse_mla_prefill  # noqa: E402
+from dsv41_jax import make_decode_plan, num_sm_parts_for, plan_decode_splits, sparse_mla_decode, sparse_mla_prefill  # noqa: E402
+from dsv41_jax.scheduler import default_num_sms  # noqa: E402
 from dsv41_jax.attention import _make_decode_call  # noqa: E402
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
@@ -170,30 +172,103 @@ def _call(case):
     (dict(b=5, s_q=1, h_q=8, topk=1024, block_size=64, fmt="fp8_ds_mla", s_kv=2000), "zeros"),
 ], ids=["b128_h128_full", "b300_random", "b77_extra_random", "b5_zeros"])
 def test_device_plan_matches_plan_decode_splits(kw, lengths):
+    # the planner kernel's plan is plan_decode_splits' bit for bit; the op without a plan, with the device plan and
+    # with the JAX plan give bitwise equal outputs
     rng = np.random.default_rng(5)
-    if lengths == "random":  # out of range on purpose: the op clamps to [0, topk]
+    if lengths == "random":  # out of range on purpose: the kernels clamp to [0, topk]
         kw = {**kw, "lengths": rng.integers(-3, kw["topk"] + 50, kw["b"])}
     elif lengths == "zeros":
         kw = {**kw, "lengths": "zero"}
     case = make_decode_case(71, **kw)
     call = _call(case)
-    out, lse, meta, splits = jax.jit(lambda: _ops.decode_with_plan(call))()
     topk = call.indices.shape[2]
-    parts = num_sm_parts_for("sm90", num_sms=_ops.default_num_sms(), s_q=kw["s_q"], h_q=kw["h_q"])
-    etl = None
-    if call.has_extra:
-        etl = jnp.clip(call.extra_topk_length, 0, call.extra_indices.shape[2])
+    etopk = call.extra_indices.shape[2] if call.has_extra else None
+    pk = dict(s_q=kw["s_q"], num_heads=kw["h_q"], topk=topk, extra_topk_length=call.extra_topk_length, extra_topk=etopk)
+    dev = jax.jit(lambda tl: make_decode_plan(tl, **pk, planner="device"))(call.topk_length)
+    jx = jax.jit(lambda tl: make_decode_plan(tl, **pk, planner="jax"))(call.topk_length)
+    parts = num_sm_parts_for("cuda", num_sms=default_num_sms(), s_q=kw["s_q"], h_q=kw["h_q"])
+    etl = None if etopk is None else jnp.clip(call.extra_topk_length, 0, etopk)
     w_meta, w_splits = plan_decode_splits(jnp.clip(call.topk_length, 0, topk), topk=topk, num_sm_parts=parts,
                                           extra_topk_length=etl)
-    np.testing.assert_array_equal(np.asarray(meta), np.asarray(w_meta))
-    np.testing.assert_array_equal(np.asarray(splits), np.asarray(w_splits))
-    out_j, lse_j, _, _ = jax.jit(lambda: _ops.decode_with_plan(call, plan="jax"))()
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_j, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_j))
+    for p in (dev, jx):
+        np.testing.assert_array_equal(np.asarray(p.tile_scheduler_metadata), np.asarray(w_meta))
+        np.testing.assert_array_equal(np.asarray(p.num_splits), np.asarray(w_splits))
+    f = jax.jit(lambda plan, *a: sparse_mla_decode(*a, impl="cuda", plan=plan, **case.kwargs()))
+    out, lse = f(None, *case.args())
+    for p in (dev, jx):
+        out_p, lse_p = f(p, *case.args())
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_p, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_p))
     e_out, e_lse = case.expected() if kw["b"] <= 128 and kw["h_q"] <= 64 else (None, None)
     if e_out is not None:
         assert_close(out, e_out, "decode_out", "out")
         assert_close(lse, e_lse, "decode_lse", "lse")
+
+
+def test_builder_plans_all_layer_types_in_one_launch():
+    # the metadata builder's plans (swaonly, c1a, c2a) from one planner launch equal plan_decode_splits'
+    from dsv41_jax import build_sparse_swa_metadata, make_common_attention_metadata
+
+    rng = np.random.default_rng(9)
+    n = 40
+    seq = rng.integers(1, 3000, n)
+    bt = np.arange(n * 64).reshape(n, 64)
+    slots = [int(bt[i, (t - 1) // 64]) * 64 + (t - 1) % 64 for i, t in enumerate(seq)]
+    common = make_common_attention_metadata([1] * n, seq.tolist(), bt, slots)
+    f = jax.jit(lambda c: build_sparse_swa_metadata(c, window=128, block_size=64, compress_ratios=[0, 1, 2],
+                                                    index_topk=512, num_heads=64, planner="device"))
+    sm = f(common)
+    hlo = jax.jit(lambda c: build_sparse_swa_metadata(c, window=128, block_size=64, compress_ratios=[0, 1, 2],
+                                                      index_topk=512, num_heads=64, planner="device")
+                  ).lower(common).compile().as_text()
+    assert hlo.count("dsv41_plan_decode_splits") == 1 and " while(" not in hlo
+    parts = num_sm_parts_for("cuda", num_sms=default_num_sms(), s_q=1, h_q=64)
+    for lt, r in (("swaonly", 0), ("c1a", 1), ("c2a", 2)):
+        extra = None if r == 0 else sm.decode_extra_topk_lens(r, 512)
+        w_meta, w_splits = plan_decode_splits(sm.decode_swa_lens, topk=128, num_sm_parts=parts,
+                                              extra_topk_length=extra, extra_topk=None if r == 0 else 512)
+        np.testing.assert_array_equal(np.asarray(sm.tile_sched[lt].tile_scheduler_metadata), np.asarray(w_meta), lt)
+        np.testing.assert_array_equal(np.asarray(sm.tile_sched[lt].num_splits), np.asarray(w_splits), lt)
+
+
+def test_stale_plan_on_device():
+    # plans from other lengths: in bounds and finite (compute-sanitizer runs one too); from the longest lengths exact
+    case = make_decode_case(73, b=40, s_q=2, h_q=128, topk=512, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            s_kv=3000, extra=dict(topk=256, block_size=2, fmt="fp8_ds_mla", lengths="var"))
+    call = _call(case)
+    rng = np.random.default_rng(2)
+    f = jax.jit(lambda plan, *a: sparse_mla_decode(*a, impl="cuda", plan=plan, **case.kwargs()))
+    pk = dict(s_q=2, num_heads=128, topk=512, extra_topk=256)
+    longest = make_decode_plan(jnp.full((40,), 512, jnp.int32), extra_topk_length=jnp.full((40,), 256, jnp.int32), **pk)
+    out, lse = f(longest, *case.args())
+    e_out, e_lse = case.expected()
+    assert_close(out, e_out, "decode_out", "out")
+    assert_close(lse, e_lse, "decode_lse", "lse")
+    for i in range(3):
+        stale = make_decode_plan(jnp.asarray(rng.integers(0, 513, 40), jnp.int32),
+                                 extra_topk_length=jnp.asarray(rng.integers(0, 257, 40), jnp.int32), **pk)
+        out, lse = f(stale, *case.args())
+        assert np.isfinite(np.asarray(out, np.float32)).all() and not np.isnan(np.asarray(lse)).any(), i
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_batch_invariant_on_device(h_q):
+    # batch_invariant=True: a request's out and lse are bitwise the same alone, in a permuted sub-batch and in the
+    # whole batch
+    case = make_decode_case(74, b=24, s_q=2, h_q=h_q, topk=640, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            s_kv=4000, extra=dict(topk=512, block_size=64, fmt="fp8_ds_mla", lengths="var"))
+    kw = case.kwargs()
+    q, cache, idx, tl = case.args()
+    f = jax.jit(lambda q, i, t, ei, et: sparse_mla_decode(q, cache, i, t, impl="cuda", batch_invariant=True,
+                                                          **{**kw, "extra_indices": ei, "extra_topk_length": et}))
+    full = f(q, idx, tl, kw["extra_indices"], kw["extra_topk_length"])
+    e_out, e_lse = case.expected()
+    assert_close(full[0], e_out, "decode_out", "out")
+    assert_close(full[1], e_lse, "decode_lse", "lse")
+    for perm in (np.array([7]), np.array([5, 3, 11, 0])):
+        part = f(q[perm], idx[perm], tl[perm], kw["extra_indices"][perm], kw["extra_topk_length"][perm])
+        for x, y in zip(full, part):
+            np.testing.assert_array_equal(np.asarray(x, np.float32)[perm], np.asarray(y, np.float32))
 
 
 def test_public_op_has_no_xla_loops():

@@ -154,3 +154,28 @@ def test_deterministic():
     b = _prefill(p)
     for x, y in zip(a, b):
         assert np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), equal_nan=True)
+
+
+def test_plan_and_batch_invariance():
+    # a plan is accepted (its shapes checked) and changes nothing; batch_invariant=True (one split) is bitwise
+    # invariant to the batch
+    from dsv41_jax import make_decode_plan
+
+    case = make_decode_case(81, b=12, s_q=2, h_q=64, topk=1024, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            s_kv=3000, extra=dict(topk=512, block_size=64, fmt="fp8_ds_mla", lengths="var"))
+    kw = case.kwargs()
+    q, cache, idx, tl = case.args()
+    plan = make_decode_plan(tl, s_q=2, num_heads=64, topk=1024, extra_topk_length=kw["extra_topk_length"],
+                            extra_topk=512)
+    with_plan = jax.jit(lambda p, *a: sparse_mla_decode(*a, impl="pallas", plan=p, **kw))(plan, *case.args())
+    without = _decode(case)
+    for x, y in zip(with_plan, without):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    f = jax.jit(lambda q, i, t, ei, et: sparse_mla_decode(q, cache, i, t, impl="pallas", batch_invariant=True,
+                                                          **{**kw, "extra_indices": ei, "extra_topk_length": et}))
+    full = f(q, idx, tl, kw["extra_indices"], kw["extra_topk_length"])
+    case.check(*full, "pallas batch-invariant decode")
+    perm = np.array([9, 2, 4])
+    part = f(q[perm], idx[perm], tl[perm], kw["extra_indices"][perm], kw["extra_topk_length"][perm])
+    for x, y in zip(full, part):
+        np.testing.assert_array_equal(np.asarray(x, np.float32)[perm], np.asarray(y, np.float32))

@@ -1,0 +1,186 @@
+"""Side by side with FlashMLA on its own V4 cases: the same inputs, the same clock.
+
+    python -m benchmarks.flashmla_compare [--cases decode,prefill,<names>] [--impls cuda] [--out DIR]
+                                          [--record benchmarks/RESULTS.md]
+
+FlashMLA (`flash_mla`, built on the GPU machine for measurement only; never part of this repository) gets
+our inputs through DLPack (`benchmarks/flashmla_cases.py`: its generator's recipe) and reuses its
+scheduling metadata across calls, as vLLM does; our decode reuses a plan made once (and, for "cuda", is also
+timed with the plan made in the call). Both are timed by `benchmarks.cupti.kernel_times` (the sum of each
+call's CUPTI kernel durations, after an L2 flush), and both outputs are compared. Prints the per-case table,
+the geometric mean of FlashMLA's time over ours (> 1: we are faster) per op, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FlashMLA's PyTorch allocator needs room too
+
+
+def _flashmla_decode(case, x):
+    """run() and its output of FlashMLA's sparse decode over the case's arrays."""
+    import flash_mla
+    import torch
+
+    def t(a):
+        return torch.from_dlpack(a)
+
+    def cache(c, bs):
+        return t(c)[:, : bs * 584].view(c.shape[0], bs, 1, 584).view(torch.float8_e4m3fn)
+
+    sched, _ = flash_mla.get_mla_metadata()
+    args = dict(q=t(x["q"]), k=cache(x["kv_cache"], case.block_size), idx=t(x["indices"]), sink=t(x["attn_sink"]))
+    if case.extra_topk:
+        args.update(ek=cache(x["extra_kv_cache"], case.extra_block_size), eidx=t(x["extra_indices"]),
+                    el=t(x["extra_topk_length"]) if x["extra_topk_length"] is not None else None)
+
+    def run():
+        return flash_mla.flash_mla_with_kvcache(
+            args["q"], args["k"], None, None, 512, sched, None, x["softmax_scale"], False, True, args["idx"],
+            args["sink"], args.get("ek"), args.get("eidx"), None, args.get("el"))
+
+    return run
+
+
+def _flashmla_prefill(case, x):
+    import flash_mla
+    import torch
+
+    q, kv, idx, sink = (torch.from_dlpack(x[k]) for k in ("q", "kv", "indices", "attn_sink"))
+
+    def run():
+        return flash_mla.flash_mla_sparse_fwd(q, kv[:, None, :], idx[:, None, :], x["softmax_scale"], 512, sink, None)
+
+    return run
+
+
+def compare_case(case, impl: str, iterations: int) -> dict:
+    import jax
+    import numpy as np
+    import torch
+
+    import dsv41_jax as d
+    from benchmarks import flashmla_cases as F
+    from benchmarks.cupti import kernel_times
+    from benchmarks.sparse_mla import run_flashmla_case
+
+    decode = isinstance(case, F.DecodeCase)
+    x = F.decode_inputs(case) if decode else F.prefill_inputs(case)
+    ours = run_flashmla_case(case, impl, iterations, breakdown=True, inputs=x)
+    run = _flashmla_decode(case, x) if decode else _flashmla_prefill(case, x)
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    holder = {}
+
+    def call():
+        holder["v"] = run()
+
+    fm_us, fm_kernels = kernel_times(call, sync=torch.cuda.synchronize, iterations=iterations,
+                                     flush=lambda: buf.zero_())
+    # outputs side by side (our op on the same arrays)
+    if decode:
+        kw = dict(kv_format="fp8_ds_mla", block_size=case.block_size, softmax_scale=x["softmax_scale"],
+                  attn_sink=x["attn_sink"], impl=impl)
+        if case.extra_topk:
+            kw.update(extra_kv_cache=x["extra_kv_cache"], extra_indices=x["extra_indices"],
+                      extra_topk_length=x["extra_topk_length"], extra_kv_format="fp8_ds_mla",
+                      extra_block_size=case.extra_block_size)
+        mine = d.sparse_mla_decode(x["q"], x["kv_cache"], x["indices"], None, **kw)[0]
+    else:
+        mine = d.sparse_mla_prefill(x["q"], x["kv"], x["indices"], softmax_scale=x["softmax_scale"],
+                                    attn_sink=x["attn_sink"], impl=impl)[0]
+    theirs = holder["v"][0].float().cpu().numpy()
+    mine = np.asarray(jax.device_get(mine), np.float32)
+    err = float(np.abs(mine - theirs).max() / max(np.abs(theirs).max(), 1e-30))
+    return dict(ours, flashmla_us=fm_us, flashmla_kernels=fm_kernels, speedup=fm_us / ours["us"],
+                speedup_noplan=fm_us / ours["us_noplan"] if "us_noplan" in ours else None, rel_err_vs_flashmla=err)
+
+
+def _release() -> None:
+    """Free the case's device memory (PyTorch's cache of FlashMLA's buffers, JAX's arrays)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _geomean(v):
+    v = [a for a in v if a]
+    return math.exp(sum(math.log(a) for a in v) / len(v)) if v else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="decode,prefill")
+    ap.add_argument("--impls", default="cuda")
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--record", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from benchmarks import flashmla_cases as F
+    from benchmarks.cupti import available
+    from benchmarks.inputs import git_commit
+
+    why = available()
+    if why is not None:
+        ap.error(f"needs CUPTI on a GPU: {why}")
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError as e:
+        ap.error(f"FlashMLA is not importable ({e}); build it on the GPU machine first")
+    wanted = set(args.cases.split(","))
+    cases = [c for c in F.DECODE_CASES if "decode" in wanted or c.name in wanted]
+    cases += [c for c in F.PREFILL_CASES if "prefill" in wanted or c.name in wanted]
+    device = jax.devices()[0].device_kind
+    print(f"# device {device}; commit {git_commit()}; FlashMLA time / ours (> 1: ours faster)")
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(date=datetime.date.today().isoformat(), commit=git_commit(), device=device,
+                command="python -m benchmarks.flashmla_compare " + " ".join(argv or sys.argv[1:]))
+
+    def save():  # after every case: a run cut short keeps what it measured
+        with open(os.path.join(args.out, "flashmla_compare.json"), "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=1, default=str)
+
+    rows = []
+    for c in cases:
+        for impl in args.impls.split(","):
+            try:
+                r = compare_case(c, impl, args.iterations)
+            except Exception as e:
+                print(f"{c.name:44s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                continue
+            rows.append(r)
+            save()
+            _release()
+            np_ = f"  in-call plan {r['us_noplan']:8.1f} us ({r['speedup_noplan']:.3f}x)" if r.get("speedup_noplan") else ""
+            print(f"{c.name:44s} {impl:7s} FlashMLA {r['flashmla_us']:8.1f} us  ours {r['us']:8.1f} us  "
+                  f"{r['speedup']:.3f}x{np_}  (rel diff {r['rel_err_vs_flashmla']:.1e})", flush=True)
+    for op in ("decode", "prefill"):
+        sel = [r for r in rows if r["op"] == op]
+        if sel:
+            print(f"# {op}: geomean {_geomean([r['speedup'] for r in sel]):.3f}x over {len(sel)} cases, worst "
+                  f"{min(r['speedup'] for r in sel):.3f}x" + (
+                      f"; in-call plan {_geomean([r['speedup_noplan'] for r in sel]):.3f}x" if op == "decode" and
+                      all(r.get("speedup_noplan") for r in sel) else ""))
+    if args.record and rows:
+        with open(args.record, "a") as f:
+            for r in rows:
+                noplan = f" (plan in the call: {r['us_noplan']:.1f})" if "us_noplan" in r else ""
+                f.write(f"| {meta['date']} | {meta['commit']} | {device} | {r['case']} | {r['impl']} | "
+                        f"{r['us']:.1f}{noplan} | FlashMLA {r['flashmla_us']:.1f} | {r['speedup']:.3f}x | "
+                        f"`{meta['command']}` |\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
