@@ -159,7 +159,7 @@ def call_plan(call, *, num_sms: int | None = None, planner: str = "device") -> D
         call.plan.check_parts(parts, impl="cuda", num_sms=num_sms, num_heads=h_q)
         return call.plan
     topk = call.indices.shape[2]
-    tl = call.topk_length if call.topk_length is not None else jnp.full((b,), topk, jnp.int32)
+    tl, _ = call.lengths()
     extra = None
     if call.has_extra:
         extra = (call.extra_topk_length, call.extra_indices.shape[2])

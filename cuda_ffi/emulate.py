@@ -160,11 +160,8 @@ def emulated_plan(call, *, num_sms: int = 132, planner: str = "device", seed: in
     b, s_q, h_q, _ = call.q.shape
     parts = num_sm_parts_for("cuda", num_sms=num_sms, s_q=s_q, h_q=h_q)
     topk = call.indices.shape[2]
-    tl = call.topk_length if call.topk_length is not None else np.full((b,), topk, np.int32)
+    tl, etl = call.lengths()
     et = call.extra_indices.shape[2] if call.has_extra else None
-    etl = call.extra_topk_length
-    if et is not None and etl is None:
-        etl = np.full((b,), et, np.int32)
     meta, splits = plan_emulated(tl, topk=topk, num_sm_parts=parts, extra_topk_length=etl, extra_topk=et or 0,
                                  seed=seed)
     return DecodePlan(jnp.asarray(meta), jnp.asarray(splits), batch=b, s_q=s_q, topk=topk, extra_topk=et,
