@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.kv_cache import f16_rows_pay, to_f16_saturating
-from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans
+from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import default_num_sms, num_sm_parts_for
 
 DECODE_TARGET = "dsv41_sparse_mla_decode"
@@ -38,7 +38,6 @@ HEAD_DIM = 512
 GROUP = 64
 FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
 MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)
-PLANNERS = ("device", "jax")
 
 
 # ------------------------------------------------------------------------------ checks
@@ -150,9 +149,8 @@ def call_plan(call, *, num_sms: int | None = None, planner: str = "device") -> D
     """The plan the cuda decode of `call` runs over: the call's own (checked against this device), the
     batch-invariant constant, or FlashMLA's plan made now by `planner` ("device": the planner kernel;
     "jax": `plan_decode_splits` in XLA)."""
-    if planner not in PLANNERS:
-        raise ValueError(f"cuda: planner must be one of {PLANNERS}, got {planner!r}")
-    b, s_q, h_q, _ = call.q.shape
+    planner = resolve_planner(planner)  # (checks the name)
+    _, s_q, h_q, _ = call.q.shape
     num_sms = num_sms or default_num_sms()
     parts = num_sm_parts_for("cuda", num_sms=num_sms, s_q=s_q, h_q=h_q)
     if call.plan is not None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
 from dsv41_jax.layer_types import required_layer_types
-from dsv41_jax.plans import DecodePlan, make_plans
+from dsv41_jax.plans import make_plans
 
 __all__ = [
     "CommonAttentionMetadata",
@@ -659,20 +659,6 @@ class DeepseekSparseSWAMetadata:
         return jnp.where(dec, jnp.minimum((self.token_positions + 1) // r, index_topk), 0).astype(_I32)
 
 
-def _plans_with_parts(lens: jax.Array, extras: dict, *, topk: int, num_sm_parts: int) -> dict:
-    """Plans over an explicit part count (`plan_decode_splits`), as `DecodePlan`s made for no device."""
-    from dsv41_jax.scheduler import plan_decode_splits
-
-    out = {}
-    for lt, ex in extras.items():
-        el, et = ex if ex is not None else (None, None)
-        meta, splits = plan_decode_splits(lens, topk=topk, num_sm_parts=num_sm_parts, extra_topk_length=el,
-                                          extra_topk=et)
-        out[lt] = DecodePlan(meta, splits, batch=int(lens.shape[0]), s_q=1, topk=topk, extra_topk=et,
-                             num_sm_parts=num_sm_parts, num_sms=None, num_heads=None)
-    return out
-
-
 def build_sparse_swa_metadata(
     common: CommonAttentionMetadata,
     *,
@@ -736,11 +722,9 @@ def build_sparse_swa_metadata(
             # with slot -1 (d_lens 0) attends no compressed entry either.
             extra = jnp.where(d_lens > 0, jnp.minimum((tp.pos + 1) // r, K), 0)
             extras[lt] = (extra.astype(_I32), K)
-        if num_heads is not None:
-            tile_sched = make_plans(d_lens, extras, s_q=1, num_heads=_static_int("num_heads", num_heads), topk=W,
-                                    num_sms=num_sms, batch_invariant=batch_invariant, planner=planner)
-        else:
-            tile_sched = _plans_with_parts(d_lens, extras, topk=W, num_sm_parts=_static_int("num_sm_parts", num_sm_parts))
+        tile_sched = make_plans(d_lens, extras, s_q=1, num_heads=num_heads, topk=W, num_sms=num_sms,
+                                batch_invariant=batch_invariant, planner=planner,
+                                num_sm_parts=num_sm_parts if num_heads is None else None)
     return DeepseekSparseSWAMetadata(
         block_table=common.block_table,
         slot_mapping=common.slot_mapping,

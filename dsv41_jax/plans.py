@@ -152,21 +152,29 @@ def make_plans(
     extras: dict[str, tuple[jax.Array | None, int] | None],
     *,
     s_q: int,
-    num_heads: int,
+    num_heads: int | None,
     topk: int,
     num_sms: int | None = None,
     batch_invariant: bool = False,
     planner: str = "auto",
+    num_sm_parts: int | None = None,
 ) -> dict[str, DecodePlan]:
     """Several plans over the same requests (e.g. a step's layer types): `extras[name]` is None (no extra
     cache) or `(extra_topk_length int32 [b] or None, extra_topk)`. With the device planner all of them
-    come from one kernel launch."""
-    b = int(_lengths("topk_length", topk_length, None).shape[0])
-    tl = _lengths("topk_length", topk_length, b)
+    come from one kernel launch. num_sm_parts: an explicit part count instead of the device's (the JAX
+    planner; the plans record num_sms = num_heads = None, and num_heads may be None)."""
+    tl = _lengths("topk_length", topk_length, None)
+    b = int(tl.shape[0])
     topk = _static_int("topk", topk, 0)
     s_q = _static_int("s_q", s_q, 1)
-    num_heads = _static_int("num_heads", num_heads, 1)
-    num_sms = default_num_sms() if num_sms is None else _static_int("num_sms", num_sms, 1)
+    if num_sm_parts is not None:
+        parts, num_sms, num_heads, planner = _static_int("num_sm_parts", num_sm_parts, 1), None, None, "jax"
+    else:
+        num_heads = _static_int("num_heads", num_heads, 1)
+        num_sms = default_num_sms() if num_sms is None else _static_int("num_sms", num_sms, 1)
+        parts = num_sm_parts_for("cuda", num_sms=num_sms, s_q=s_q, h_q=num_heads)
+    if batch_invariant:
+        parts = b
     if b < 1:
         raise ValueError(f"topk_length must have at least one request, got shape {tuple(tl.shape)}")
     norm: dict[str, tuple[jax.Array | None, int | None]] = {}
@@ -177,7 +185,6 @@ def make_plans(
         el, et = ex
         et = _static_int("extra_topk", et, 0)
         norm[name] = (None if el is None else _lengths("extra_topk_length", el, b), et)
-    parts = b if batch_invariant else num_sm_parts_for("cuda", num_sms=num_sms, s_q=s_q, h_q=num_heads)
 
     def plan(meta, splits, et):
         return DecodePlan(meta, splits, batch=b, s_q=s_q, topk=topk, extra_topk=et, num_sm_parts=parts,
@@ -196,13 +203,10 @@ def make_plans(
     out = {}
     clamped = jnp.clip(tl, 0, topk)
     for n, (el, et) in norm.items():
-        if et is None:
-            m, s = plan_decode_splits(clamped, topk=topk, num_sm_parts=parts, fixed_overhead=FIXED_OVERHEAD,
-                                      block_tokens=BLOCK_TOKENS)
-        else:
+        if et is not None:
             el = jnp.full((b,), et, jnp.int32) if el is None else jnp.clip(el, 0, et)
-            m, s = plan_decode_splits(clamped, topk=topk, num_sm_parts=parts, extra_topk_length=el, extra_topk=et,
-                                      fixed_overhead=FIXED_OVERHEAD, block_tokens=BLOCK_TOKENS)
+        m, s = plan_decode_splits(clamped, topk=topk, num_sm_parts=parts, extra_topk_length=el, extra_topk=et,
+                                  fixed_overhead=FIXED_OVERHEAD, block_tokens=BLOCK_TOKENS)
         out[n] = plan(m, s, et)
     return out
 
