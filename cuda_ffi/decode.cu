@@ -12,7 +12,11 @@ __global__ void __launch_bounds__(kThreads, 1) dsv41_decode_kernel(const __grid_
   decode_cta<kPair>(p, smem);
 }
 
-// One warp per plan of the batch.
+// One CTA per plan of the batch: the CTA planner, or the warp planner where its table does not fit.
+__global__ void __launch_bounds__(kPlanCtaThreads) dsv41_plan_cta_kernel(const __grid_constant__ PlanBatch p) {
+  extern __shared__ __align__(128) char smem[];
+  plan_cta(p.plan[block_idx()], smem);
+}
 __global__ void __launch_bounds__(kPlanThreads) dsv41_plan_kernel(const __grid_constant__ PlanBatch p) {
   plan_warp(p.plan[block_idx()], lane_idx());
 }
@@ -39,7 +43,14 @@ cudaError_t ensure_smem_limit(const void* func, int bytes, unsigned long long* d
 
 cudaError_t launch_plans(const PlanBatch& plans, cudaStream_t stream) {
   if (plans.count <= 0) return cudaSuccess;
-  dsv41_plan_kernel<<<(unsigned)plans.count, kPlanThreads, 0, stream>>>(plans);
+  if (plans.smem_bytes > 0) {
+    static unsigned long long done = 0;
+    cudaError_t e = ensure_smem_limit((const void*)dsv41_plan_cta_kernel, kPlanSmemMax, &done);
+    if (e != cudaSuccess) return e;
+    dsv41_plan_cta_kernel<<<(unsigned)plans.count, kPlanCtaThreads, plans.smem_bytes, stream>>>(plans);
+  } else {
+    dsv41_plan_kernel<<<(unsigned)plans.count, kPlanThreads, 0, stream>>>(plans);
+  }
   return cudaGetLastError();
 }
 

@@ -57,9 +57,29 @@ int dsv41_emu_plan(const dsv41::TensorView* tl, const dsv41::TensorView* etl, co
   std::string err = dsv41::make_plan_params(*tl, *etl, *sched, *nsplit, topk, extra_topk, has_extra, count,
                                             fixed_overhead, &plans);
   if (!err.empty()) return report("dsv41_plan_decode_splits: " + err, errbuf, errlen);
-  emu::launch(plans.count, dsv41::kPlanThreads, 0,
-              [&plans](char*) { dsv41::plan_warp(plans.plan[dsv41::block_idx()], dsv41::lane_idx()); }, seed, 1);
+  if (plans.smem_bytes > 0)
+    emu::launch(plans.count, dsv41::kPlanCtaThreads, (size_t)plans.smem_bytes,
+                [&plans](char* smem) { dsv41::plan_cta(plans.plan[dsv41::block_idx()], smem); }, seed, 1);
+  else
+    emu::launch(plans.count, dsv41::kPlanThreads, 0,
+                [&plans](char*) { dsv41::plan_warp(plans.plan[dsv41::block_idx()], dsv41::lane_idx()); }, seed, 1);
   return 0;
+}
+
+// The shared memory the planner launch of these shapes gets: > 0 the CTA planner, 0 the warp planner
+// (-1: the shapes are refused; the message in errbuf).
+int dsv41_emu_plan_smem_bytes(const dsv41::TensorView* tl, const dsv41::TensorView* etl, const dsv41::TensorView* sched,
+                              const dsv41::TensorView* nsplit, int64_t topk, const int64_t* extra_topk,
+                              const int64_t* has_extra, int64_t count, int64_t fixed_overhead, char* errbuf,
+                              int errlen) {
+  dsv41::PlanBatch plans{};
+  std::string err = dsv41::make_plan_params(*tl, *etl, *sched, *nsplit, topk, extra_topk, has_extra, count,
+                                            fixed_overhead, &plans);
+  if (!err.empty()) {
+    report("dsv41_plan_decode_splits: " + err, errbuf, errlen);
+    return -1;
+  }
+  return plans.smem_bytes;
 }
 
 // in: 5 tensor views, out: 3 (see make_prefill_params).

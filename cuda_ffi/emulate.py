@@ -68,6 +68,8 @@ def load(path: Path | None = None, consumer: str = "wgmma") -> ctypes.CDLL:
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.POINTER(TensorView),
             ctypes.POINTER(TensorView), ctypes.c_int64, i64p, i64p, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int]
+        lib.dsv41_emu_plan_smem_bytes.restype = ctypes.c_int
+        lib.dsv41_emu_plan_smem_bytes.argtypes = lib.dsv41_emu_plan.argtypes[:-3] + [ctypes.c_char_p, ctypes.c_int]
         lib.dsv41_emu_prefill.restype = ctypes.c_int
         lib.dsv41_emu_prefill.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_uint64, ctypes.c_int,
@@ -106,10 +108,11 @@ def run_decode_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, con
 
 
 def plan_batch_emulated(topk_length, extra_topk_length, *, batch: int, topk: int, extra_topk, has_extra,
-                        num_sm_parts: int, fixed_overhead: int = 5, seed: int = 1):
+                        num_sm_parts: int, fixed_overhead: int = 5, seed: int = 1, return_smem_bytes: bool = False):
     """The planner FFI call's contract on host arrays (`_ops.plan_on_device`'s operands): topk_length int32
     [batch] or [1], extra_topk_length int32 [n, batch] or [n, 1], per plan extra_topk / has_extra; returns
-    `(metadata int32 [n, parts, 8], num_splits int32 [n, batch + 1])`."""
+    `(metadata int32 [n, parts, 8], num_splits int32 [n, batch + 1])`, and with return_smem_bytes the shared
+    memory its launch gets (> 0: the CTA planner, 0: the warp planner; host_params.h plan_smem_bytes)."""
     lib = load()
     tl = np.ascontiguousarray(np.asarray(topk_length, np.int32))
     etl = np.ascontiguousarray(np.asarray(extra_topk_length, np.int32))
@@ -121,24 +124,31 @@ def plan_batch_emulated(topk_length, extra_topk_length, *, batch: int, topk: int
     i64p = ctypes.POINTER(ctypes.c_int64)
     err = ctypes.create_string_buffer(4096)
     views = [_view(a) for a in (tl, etl, meta, splits)]
-    rc = lib.dsv41_emu_plan(*[ctypes.byref(v) for v in views], int(topk), et.ctypes.data_as(i64p),
-                            he.ctypes.data_as(i64p), len(et), int(fixed_overhead), seed, err, len(err))
+    operands = ([ctypes.byref(v) for v in views]
+                + [int(topk), et.ctypes.data_as(i64p), he.ctypes.data_as(i64p), len(et), int(fixed_overhead)])
+    if return_smem_bytes:
+        smem = lib.dsv41_emu_plan_smem_bytes(*operands, err, len(err))
+        if smem < 0:
+            raise ValueError(err.value.decode())
+    rc = lib.dsv41_emu_plan(*operands, seed, err, len(err))
     if rc:
         raise ValueError(err.value.decode())
-    return meta, splits
+    return (meta, splits, smem) if return_smem_bytes else (meta, splits)
 
 
 def plan_emulated(topk_length, *, topk: int, num_sm_parts: int, extra_topk_length=None, extra_topk: int = 0,
-                  fixed_overhead: int = 5, seed: int = 1):
-    """One plan of the device split planner (kernels.cuh plan_warp) run by the emulator: `(metadata
-    int32[parts, 8], num_splits int32[b + 1])`. Lengths are clamped to [0, topk] / [0, extra_topk] like the
-    kernel does; an extra cache iff extra_topk_length is given."""
+                  fixed_overhead: int = 5, seed: int = 1, return_smem_bytes: bool = False):
+    """One plan of the device split planner (kernels.cuh plan_cta, or plan_warp where its table does not fit)
+    run by the emulator: `(metadata int32[parts, 8], num_splits int32[b + 1])` (+ the launch's shared memory,
+    as plan_batch_emulated). Lengths are clamped to [0, topk] / [0, extra_topk] like the kernel does; an
+    extra cache iff extra_topk_length is given."""
     tl = np.asarray(topk_length, np.int32)
     has_extra = extra_topk_length is not None
     etl = np.asarray(extra_topk_length, np.int32)[None] if has_extra else np.zeros((1, 1), np.int32)
-    meta, splits = plan_batch_emulated(tl, etl, batch=tl.shape[0], topk=topk, extra_topk=[extra_topk], has_extra=[int(has_extra)],
-                                       num_sm_parts=num_sm_parts, fixed_overhead=fixed_overhead, seed=seed)
-    return meta[0], splits[0]
+    res = plan_batch_emulated(tl, etl, batch=tl.shape[0], topk=topk, extra_topk=[extra_topk],
+                              has_extra=[int(has_extra)], num_sm_parts=num_sm_parts, fixed_overhead=fixed_overhead,
+                              seed=seed, return_smem_bytes=return_smem_bytes)
+    return (res[0][0], res[1][0]) + tuple(res[2:])
 
 
 def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):

@@ -83,16 +83,34 @@ inline int64_t fp8_page_bytes(int64_t block_size) {
 }
 
 constexpr int64_t kMaxI32 = 2147483647;
-// The split planner's positions (kernels.cuh, plan_warp) reach twice the plan's total cost
-// sum_i(blocks(i) + overhead) in int32: bound it by every request at its longest.
-inline std::string check_plan_cost(int64_t b, int64_t topk, int64_t extra_topk, bool has_extra, int64_t overhead) {
+// sum_i(blocks(i) + overhead) with every request at its longest; *request_cost: the most of one request.
+inline int64_t plan_worst_cost(int64_t b, int64_t topk, int64_t extra_topk, bool has_extra, int64_t overhead,
+                               int64_t* request_cost) {
   const int64_t t = topk > 1 ? topk : 1;
   const int64_t len = has_extra ? (t + 63) / 64 * 64 + extra_topk : t;
-  const int64_t worst = b * ((len + 63) / 64 + overhead);
+  const int64_t one = (len + 63) / 64 + overhead;
+  *request_cost = std::max(*request_cost, one);
+  return b * one;
+}
+
+// The split planner's positions (kernels.cuh, plan_warp and plan_cta) reach twice the plan's total cost
+// sum_i(blocks(i) + overhead) in int32: bound it by every request at its longest.
+inline std::string check_plan_cost(int64_t b, int64_t topk, int64_t extra_topk, bool has_extra, int64_t overhead) {
+  int64_t one = 0;
+  const int64_t worst = plan_worst_cost(b, topk, extra_topk, has_extra, overhead, &one);
   if (worst >= (int64_t)1 << 30)
     return cat("split plan too large: b * (blocks per request + ", overhead, ") = ", worst,
                " blocks may reach 2^30 (b = ", b, ", topk = ", topk, ", extra topk = ", extra_topk, ")");
   return "";
+}
+
+// Shared memory of the CTA planner (kernels.cuh, plan_cta) over b requests, `parts` parts and costs up to
+// `table`, or 0 where the warp planner runs instead: a table past kPlanSmemMax, or a request cost its
+// uint16 table cannot hold.
+inline int32_t plan_smem_bytes(int64_t b, int64_t parts, int64_t table, int64_t request_cost) {
+  if (request_cost >= (int64_t)1 << 16) return 0;
+  const int64_t bytes = 4 * ((b + 1) + 2 * (parts + 1) + 32) + 2 * (table + 1);
+  return bytes <= kPlanSmemMax ? (int32_t)((bytes + 15) / 16 * 16) : 0;
 }
 
 // A paged cache + its indices. `which` is "kv_cache" or "extra_kv_cache".
@@ -262,6 +280,7 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
   if (fixed_overhead < 0 || fixed_overhead > 1 << 20) return cat("fixed_overhead out of range: ", fixed_overhead);
   *batch = PlanBatch{};
   batch->count = (int32_t)count;
+  int64_t table = 0, request_cost = 0;
   for (int64_t j = 0; j < count; ++j) {
     if (has_extra[j] != 0 && has_extra[j] != 1) return cat("has_extra[", j, "]: expected 0 or 1, got ", has_extra[j]);
     if (extra_topk[j] < 0 || extra_topk[j] > kMaxI32) return cat("extra_topk[", j, "] out of range: ", extra_topk[j]);
@@ -280,7 +299,10 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
     plan.extra_topk = (int32_t)extra_topk[j];
     plan.has_extra = (int32_t)has_extra[j];
     plan.fixed_overhead = (int32_t)fixed_overhead;
+    table = std::max(table, plan_worst_cost(b, topk, has_extra[j] ? extra_topk[j] : 0, has_extra[j] != 0,
+                                            fixed_overhead, &request_cost));
   }
+  batch->smem_bytes = plan_smem_bytes(b, parts, table, request_cost);
   return "";
 }
 

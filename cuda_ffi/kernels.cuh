@@ -1815,7 +1815,7 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
 
 // ============================================================================== split planner
 // dsv41_jax.scheduler.plan_decode_splits (FlashMLA's greedy split planner) on the device, run
-// by one warp before the decode kernel (same stream), writing the plan the decode CTAs read.
+// before the decode kernel (same stream), writing the plan the decode CTAs read.
 // blocks(i) = ceil(L / 64) with L = max(len_i, 1), or with an extra cache
 // L = roundup(max(len_i, 1), 64) + extra_len_i; lengths clamped to [0, topk] as in the decode
 // kernel (decode_segment counts the same blocks). Every part gets the budget
@@ -1825,15 +1825,16 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
 // num_splits[0] = 0, num_splits[i + 1] = cumulative pieces of requests 0..i (0 for requests
 // no part reached, as in the JAX version). sum_i(blocks(i) + ov) < 2^30 (host_params.h, check_plan_cost).
 //
-// The walk is serial over the parts but not over the requests: with C[i] = sum_{k<i}(blocks(k) + ov), a part
-// starting at block blk of request r may reach the cost position T = C[r] + blk + budget, and takes whole every
-// request j with C[j + 1] <= T (the greedy's "fits" test, summed), so one ballot over a 32-request window of
-// C (lane l holds C[base + l + 1], a warp scan) finds where it ends; the rest of the budget, less ov, splits the
-// next request. Each completed request i gets num_splits[i + 1] = i + 1 + (splits so far) from its own lane.
-// The serial loop keeps only that recurrence and leaves each part's end state in its record; the records are then
-// written 32 parts at a time, each lane taking its part's start from the part before (a one-warp kernel runs at ~6
-// cycles per instruction: a walk one request at a time took 17.0 us, one ballot per part with the records in the
-// loop 14.7 us, of a ~328 us headline decode; RESULTS.md fifteenth session).
+// Two implementations, bit-identical: plan_cta (below; one CTA per plan, a serial walk of one shared-memory load
+// per part) wherever its cost table fits in shared memory (host_params.h plan_smem_bytes), and plan_warp (one
+// warp per plan) elsewhere. plan_warp's walk is serial over the parts but not over the requests: with
+// C[i] = sum_{k<i}(blocks(k) + ov), a part starting at block blk of request r may reach the cost position
+// T = C[r] + blk + budget, and takes whole every request j with C[j + 1] <= T (the greedy's "fits" test, summed),
+// so one ballot over a 32-request window of C (lane l holds C[base + l + 1], a warp scan) finds where it ends; the
+// rest of the budget, less ov, splits the next request. Each completed request i gets num_splits[i + 1] =
+// i + 1 + (splits so far) from its own lane. The serial loop keeps only that recurrence and leaves each part's end
+// state in its record; the records are then written 32 parts at a time, each lane taking its part's start from the
+// part before.
 // Request i's lengths, clamped (0 past b).
 DEVFN void plan_load(const PlanParams& p, int i, int32_t& len, int32_t& elen) {
   len = 0;
@@ -1961,6 +1962,131 @@ DEVFN void plan_warp(const PlanParams& p, int lane) {
       row[7] = 0;
     }
   }
+}
+
+// ---- the planner of one CTA per plan (PlanBatch::smem_bytes > 0; the warp planner above otherwise)
+// With C[i] = sum_{k<i}(blocks(k) + ov) and D = ceil(C[b] / parts), a part starting at cost position x ends at
+//   x' = min(C[b], max(x + D, floorC(x + D + ov))),
+// floorC(y) = max{C[i] <= y}: the greedy takes whole every request ending by x + D + ov, and splits the next one at
+// x + D unless that leaves it ov or less. Positions are the state, so the serial walk is one shared-memory load per
+// part from a table delta[y] = y - floorC(y) over [0, C[b]]; everything else (the cost scan, the table, the records,
+// num_splits) runs on the whole CTA. The result is bit-identical to the warp planner and to plan_decode_splits.
+// Shared memory (plan_smem_bytes): C int32 [b + 1], X int32 [parts + 1] (part k covers [X[k], X[k + 1])),
+// S int32 [parts + 1] (split points among X[1..k]), 32 int32 of scan scratch, delta uint16 [capacity].
+constexpr int kPlanBar = 0;
+
+// Largest i in [0, n) with a[i] <= v (a sorted, a[0] <= v).
+DEVFN int plan_last_le(const int32_t* a, int n, int v) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a[mid] <= v) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+DEVFN void plan_cta(const PlanParams& p, char* smem) {
+  const int b = p.b, parts = p.num_parts, ov = p.fixed_overhead;
+  const int tid = thread_idx(), lane = lane_idx(), warp = warp_idx();
+  constexpr int kWarps = kPlanCtaThreads / 32;
+  int32_t* C = reinterpret_cast<int32_t*>(smem);
+  int32_t* X = C + (b + 1);
+  int32_t* S = X + (parts + 1);
+  int32_t* scratch = S + (parts + 1);  // [0, kWarps): warp sums; [kWarps]: the walk's last part
+  uint16_t* delta = reinterpret_cast<uint16_t*>(scratch + 32);
+  // ---- costs, then their exclusive scan in place (each thread sums a chunk; the chunk sums are scanned)
+  for (int i = tid; i < b; i += kPlanCtaThreads) {
+    int32_t l, e;
+    plan_load(p, i, l, e);
+    C[i + 1] = plan_blocks(p, l, e) + ov;
+  }
+  if (tid == 0) C[0] = 0;
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  const int chunk = (b + kPlanCtaThreads - 1) / kPlanCtaThreads;
+  const int lo = tid * chunk < b ? tid * chunk : b, hi = lo + chunk < b ? lo + chunk : b;
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) sum += C[i + 1];
+  int inc = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int t = (int)shfl_idx_u32((uint32_t)inc, lane >= d ? lane - d : 0);
+    if (lane >= d) inc += t;
+  }
+  if (lane == 31) scratch[warp] = inc;
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  int off = inc - sum;
+  for (int w = 0; w < warp; ++w) off += scratch[w];
+  for (int i = lo; i < hi; ++i) {
+    off += C[i + 1];
+    C[i + 1] = off;
+  }
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  // ---- the table: delta[C[r] + j] = j for j < blocks(r) + ov, delta[C[b]] = 0
+  const int total = C[b];
+  for (int r = warp; r < b; r += kWarps) {
+    const int base = C[r], cost = C[r + 1] - base;
+    for (int j = lane; j < cost; j += 32) delta[base + j] = (uint16_t)j;
+  }
+  if (tid == 0) delta[total] = 0;
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  // ---- the walk (one thread): parts after the one that reaches C[b] are empty
+  const int D = (total + parts - 1) / parts;
+  if (tid == 0) {
+    int x = 0, s = 0, k = 0;
+    X[0] = 0;
+    S[0] = 0;
+    while (k < parts && x < total) {
+      const int y = x + D;
+      const int z = y + ov < total ? y + ov : total;
+      const int f = z - (int)delta[z];
+      s += (f < y && y < total) ? 1 : 0;
+      const int m = y > f ? y : f;
+      x = m < total ? m : total;
+      ++k;
+      X[k] = x;
+      S[k] = s;
+    }
+    scratch[kWarps] = k;
+  }
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  const int kend = scratch[kWarps];  // X[kend] = C[b]
+  // ---- the records
+  for (int k = tid; k < parts; k += kPlanCtaThreads) {
+    int32_t row[8];
+    if (k >= kend) {  // empty: begin past end, as the greedy leaves it
+      row[0] = b;
+      row[1] = b - 1;
+      row[2] = 0;
+      row[3] = C[b] - C[b - 1] - ov;
+      row[4] = row[5] = row[6] = 0;
+    } else {
+      const int x0 = X[k], x1 = X[k + 1];
+      const int r0 = plan_last_le(C, b + 1, x0), bb = x0 - C[r0];
+      const int bs = bb == 0 ? 0 : S[k] - S[plan_last_le(X, kend + 1, C[r0])];
+      const int r1 = plan_last_le(C, b + 1, x1);
+      const int er = x1 == C[r1] ? r1 - 1 : r1;
+      const int nb = C[er + 1] - C[er] - ov;
+      const int eb = x1 == C[r1] ? nb : x1 - C[r1];
+      int first = bb != 0 ? 1 : 0, last = eb != nb ? 1 : 0;
+      if (r0 == er) first = last = (first | last);
+      row[0] = r0;
+      row[1] = er;
+      row[2] = bb;
+      row[3] = eb;
+      row[4] = bs;
+      row[5] = first;
+      row[6] = last;
+    }
+    row[7] = 0;
+    int32_t* dst = p.sched + (int64_t)k * 8;
+#pragma unroll
+    for (int f = 0; f < 8; ++f) dst[f] = row[f];
+  }
+  // ---- num_splits[r + 1] = r + 1 + (split points before request r's end)
+  if (tid == 0) p.num_splits[0] = 0;
+  for (int r = tid; r < b; r += kPlanCtaThreads)
+    p.num_splits[r + 1] = r + 1 + S[plan_last_le(X, kend + 1, C[r + 1] - 1)];
 }
 
 // ============================================================================== combine

@@ -44,7 +44,9 @@ static_assert(regs_fit(kProducerRegs, kConsumerRegs) && regs_fit(kSplitProducerR
                   regs_fit(kPairProducerRegs, kPairConsumerRegs) && regs_fit(kSeesawProducerRegs, kSeesawConsumerRegs),
               "setmaxnreg asks for more registers than the launch allocation holds");
 constexpr int kCombineThreads = 256;                              // 8 warps, one head each
-constexpr int kPlanThreads = 32;                                  // the split planner: one warp
+constexpr int kPlanThreads = 32;                                  // the warp split planner
+constexpr int kPlanCtaThreads = 256;                              // the CTA split planner
+constexpr int kPlanSmemMax = 192 * 1024;                          // its shared memory at most (host_params.h)
 constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)
 
 // kFmtF16: prefill's kv rows converted to f16 by the JAX wrapper (seesaw.cuh; no conversion in the kernel).
@@ -93,12 +95,13 @@ struct PlanParams {
   int32_t lengths_stride, extra_lengths_stride;  // 1, or 0: element 0 for every request
 };
 
-// Several plans over the same requests and part count, one warp (CTA) each: the split plans of a
-// step's layer types in one launch.
+// Several plans over the same requests and part count, one CTA each: the split plans of a step's layer
+// types in one launch. smem_bytes > 0: the CTA planner with that much shared memory; 0: the warp planner
+// (a cost table that does not fit, or a request of 2^16 blocks or more).
 constexpr int kMaxPlans = 8;
 struct PlanBatch {
   PlanParams plan[kMaxPlans];
-  int32_t count, pad_;
+  int32_t count, smem_bytes;
 };
 
 struct PrefillParams {

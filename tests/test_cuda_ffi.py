@@ -601,6 +601,31 @@ def test_emulated_planner_many_random_cases(emu, plan_oracle):
         np.testing.assert_array_equal(splits, np.asarray(ns, np.int32), err_msg=f"case {i}: b={b} parts={parts}")
 
 
+@pytest.mark.parametrize("b,parts,topk,extra,want_cta", [
+    (2, 66, 16384, None, True),        # few long requests: long walks inside one request
+    (148, 66, 16384, None, True),      # the top-k 16384 case: a 38.6k-entry cost table
+    (128, 132, 128, 512, True),        # a V4.1 step's c1a plan (every part ends on a request boundary)
+    (700, 132, 16384, None, False),    # a cost table past the CTA planner's shared memory: the warp planner
+    (3, 5, 64 << 16, None, False),     # one request of 2^16 blocks or more: the warp planner
+])
+def test_emulated_planner_paths(emu, b, parts, topk, extra, want_cta):
+    # the CTA planner where its table fits and the warp planner elsewhere, both equal to plan_decode_splits
+    from cuda_ffi.emulate import plan_emulated
+
+    rng = np.random.default_rng(b * 7 + parts)
+    for draw in range(3):
+        tl = rng.integers(0, topk + 1, b).astype(np.int32)
+        if draw == 0:
+            tl[:] = topk
+        et = None if extra is None else rng.integers(0, extra + 1, b).astype(np.int32)
+        meta, splits, smem = plan_emulated(tl, topk=topk, num_sm_parts=parts, extra_topk_length=et,
+                                           extra_topk=extra or 0, seed=draw, return_smem_bytes=True)
+        assert (smem > 0) == want_cta, smem
+        want = plan_decode_splits(tl, topk=topk, num_sm_parts=parts, extra_topk_length=et)
+        np.testing.assert_array_equal(meta, np.asarray(want[0]), err_msg=f"metadata, draw {draw}")
+        np.testing.assert_array_equal(splits, np.asarray(want[1]), err_msg=f"num_splits, draw {draw}")
+
+
 def test_emulated_planner_clamps_like_the_kernel(emu):
     # lengths past topk / negative are clamped to [0, topk] (the decode kernel's clamp_len), so the
     # plan equals plan_decode_splits of the clamped lengths
