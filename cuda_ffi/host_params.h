@@ -105,11 +105,11 @@ inline std::string check_plan_cost(int64_t b, int64_t topk, int64_t extra_topk, 
 }
 
 // Shared memory of the CTA planner (kernels.cuh, plan_cta) over b requests, `parts` parts and costs up to
-// `table`, or 0 where the warp planner runs instead: a table past kPlanSmemMax, or a request cost its
-// uint16 table cannot hold.
+// `table`, or 0 where the warp planner runs instead: tables past kPlanSmemMax, or a request cost its uint16
+// delta table cannot hold.
 inline int32_t plan_smem_bytes(int64_t b, int64_t parts, int64_t table, int64_t request_cost) {
   if (request_cost >= (int64_t)1 << 16) return 0;
-  const int64_t bytes = 4 * ((b + 1) + 2 * (parts + 1) + 32) + 2 * (table + 1);
+  const int64_t bytes = 4 * ((b + 1) + 3 * (parts + 1) + 32) + 8 * (table + 1);
   return bytes <= kPlanSmemMax ? (int32_t)((bytes + 15) / 16 * 16) : 0;
 }
 

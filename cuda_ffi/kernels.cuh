@@ -1966,16 +1966,19 @@ DEVFN void plan_warp(const PlanParams& p, int lane) {
 
 // ---- the planner of one CTA per plan (PlanBatch::smem_bytes > 0; the warp planner above otherwise)
 // With C[i] = sum_{k<i}(blocks(k) + ov) and D = ceil(C[b] / parts), a part starting at cost position x ends at
-//   x' = min(C[b], max(x + D, floorC(x + D + ov))),
+//   N(x) = min(C[b], max(x + D, floorC(x + D + ov))),
 // floorC(y) = max{C[i] <= y}: the greedy takes whole every request ending by x + D + ov, and splits the next one at
-// x + D unless that leaves it ov or less. Positions are the state, so the serial walk is one shared-memory load per
-// part from a table delta[y] = y - floorC(y) over [0, C[b]]; everything else (the cost scan, the table, the records,
-// num_splits) runs on the whole CTA. The result is bit-identical to the warp planner and to plan_decode_splits.
-// Shared memory (plan_smem_bytes): C int32 [b + 1], X int32 [parts + 1] (part k covers [X[k], X[k + 1])),
-// S int32 [parts + 1] (split points among X[1..k]), 32 int32 of scan scratch, delta uint16 [capacity].
+// x + D unless that leaves it ov or less. Part k covers [X[k], X[k + 1]) with X[k] = N^k(0). N is a table over the
+// positions [0, C[b]] (built from delta[y] = y - floorC(y)), and so is N^kPlanStride, so one thread walks only
+// every kPlanStride-th part and the CTA fills in the others; everything else (the cost scan, the tables, the
+// records, num_splits) runs on the whole CTA. The result is bit-identical to the warp planner and to
+// plan_decode_splits. Shared memory (host_params.h plan_smem_bytes): C [b + 1], X, R (the request each X lies in)
+// and S (split points among X[1..k]) [parts + 1] each, 32 of scan scratch, N [C[b] + 1], and one more table of
+// C[b] + 1 int32 holding first delta (uint16), then N^kPlanStride; all int32.
 constexpr int kPlanBar = 0;
+constexpr int kPlanStride = 8;
 
-// Largest i in [0, n) with a[i] <= v (a sorted, a[0] <= v).
+// Largest i in [0, n) with a[i] <= v (a non-decreasing, a[0] <= v).
 DEVFN int plan_last_le(const int32_t* a, int n, int v) {
   int lo = 0, hi = n - 1;
   while (lo < hi) {
@@ -1986,27 +1989,14 @@ DEVFN int plan_last_le(const int32_t* a, int n, int v) {
   return lo;
 }
 
-DEVFN void plan_cta(const PlanParams& p, char* smem) {
-  const int b = p.b, parts = p.num_parts, ov = p.fixed_overhead;
-  const int tid = thread_idx(), lane = lane_idx(), warp = warp_idx();
+// a[0..n) <- its inclusive prefix sums (shared memory; every thread of the CTA calls it; ends with a barrier).
+DEVFN void cta_inclusive_scan(int32_t* a, int n, int32_t* scratch) {
   constexpr int kWarps = kPlanCtaThreads / 32;
-  int32_t* C = reinterpret_cast<int32_t*>(smem);
-  int32_t* X = C + (b + 1);
-  int32_t* S = X + (parts + 1);
-  int32_t* scratch = S + (parts + 1);  // [0, kWarps): warp sums; [kWarps]: the walk's last part
-  uint16_t* delta = reinterpret_cast<uint16_t*>(scratch + 32);
-  // ---- costs, then their exclusive scan in place (each thread sums a chunk; the chunk sums are scanned)
-  for (int i = tid; i < b; i += kPlanCtaThreads) {
-    int32_t l, e;
-    plan_load(p, i, l, e);
-    C[i + 1] = plan_blocks(p, l, e) + ov;
-  }
-  if (tid == 0) C[0] = 0;
-  bar_sync(kPlanBar, kPlanCtaThreads);
-  const int chunk = (b + kPlanCtaThreads - 1) / kPlanCtaThreads;
-  const int lo = tid * chunk < b ? tid * chunk : b, hi = lo + chunk < b ? lo + chunk : b;
+  const int tid = thread_idx(), lane = lane_idx(), warp = warp_idx();
+  const int chunk = (n + kPlanCtaThreads - 1) / kPlanCtaThreads;
+  const int lo = tid * chunk < n ? tid * chunk : n, hi = lo + chunk < n ? lo + chunk : n;
   int sum = 0;
-  for (int i = lo; i < hi; ++i) sum += C[i + 1];
+  for (int i = lo; i < hi; ++i) sum += a[i];
   int inc = sum;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
@@ -2016,58 +2006,111 @@ DEVFN void plan_cta(const PlanParams& p, char* smem) {
   if (lane == 31) scratch[warp] = inc;
   bar_sync(kPlanBar, kPlanCtaThreads);
   int off = inc - sum;
-  for (int w = 0; w < warp; ++w) off += scratch[w];
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) off += w < warp ? scratch[w] : 0;
   for (int i = lo; i < hi; ++i) {
-    off += C[i + 1];
-    C[i + 1] = off;
+    off += a[i];
+    a[i] = off;
   }
   bar_sync(kPlanBar, kPlanCtaThreads);
-  // ---- the table: delta[C[r] + j] = j for j < blocks(r) + ov, delta[C[b]] = 0
-  const int total = C[b];
+}
+
+DEVFN void plan_cta(const PlanParams& p, char* smem) {
+  const int b = p.b, parts = p.num_parts, ov = p.fixed_overhead;
+  const int tid = thread_idx(), lane = lane_idx(), warp = warp_idx();
+  constexpr int kWarps = kPlanCtaThreads / 32;
+  int32_t* C = reinterpret_cast<int32_t*>(smem);
+  int32_t* X = C + (b + 1);
+  int32_t* R = X + (parts + 1);
+  int32_t* S = R + (parts + 1);
+  int32_t* scratch = S + (parts + 1);
+  int32_t* N = scratch + 32;
+  // ---- costs and their prefix sums C
+  for (int i = tid; i < b; i += kPlanCtaThreads) {
+    int32_t l, e;
+    plan_load(p, i, l, e);
+    C[i + 1] = plan_blocks(p, l, e) + ov;
+  }
+  if (tid == 0) C[0] = 0;
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  cta_inclusive_scan(C + 1, b, scratch);
+  const int total = C[b], D = (total + parts - 1) / parts;
+  int32_t* NS = N + (total + 1);  // delta (uint16), then N^kPlanStride
+  uint16_t* delta = reinterpret_cast<uint16_t*>(NS);
+  // ---- delta[C[r] + j] = j for j < blocks(r) + ov; delta[C[b]] = 0
   for (int r = warp; r < b; r += kWarps) {
     const int base = C[r], cost = C[r + 1] - base;
     for (int j = lane; j < cost; j += 32) delta[base + j] = (uint16_t)j;
   }
   if (tid == 0) delta[total] = 0;
   bar_sync(kPlanBar, kPlanCtaThreads);
-  // ---- the walk (one thread): parts after the one that reaches C[b] are empty
-  const int D = (total + parts - 1) / parts;
-  if (tid == 0) {
-    int x = 0, s = 0, k = 0;
-    X[0] = 0;
-    S[0] = 0;
-    while (k < parts && x < total) {
-      const int y = x + D;
-      const int z = y + ov < total ? y + ov : total;
-      const int f = z - (int)delta[z];
-      s += (f < y && y < total) ? 1 : 0;
-      const int m = y > f ? y : f;
-      x = m < total ? m : total;
-      ++k;
-      X[k] = x;
-      S[k] = s;
-    }
-    scratch[kWarps] = k;
+  for (int x = tid; x <= total; x += kPlanCtaThreads) {
+    const int y = x + D;
+    const int z = y + ov < total ? y + ov : total;
+    const int f = z - (int)delta[z];
+    const int m = y > f ? y : f;
+    N[x] = m < total ? m : total;
   }
   bar_sync(kPlanBar, kPlanCtaThreads);
-  const int kend = scratch[kWarps];  // X[kend] = C[b]
+  // ---- N^kPlanStride, four positions at a time (their chains of loads interleave)
+  for (int x0 = tid; x0 <= total; x0 += 4 * kPlanCtaThreads) {
+    int y[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) y[u] = x0 + u * kPlanCtaThreads <= total ? x0 + u * kPlanCtaThreads : total;
+#pragma unroll
+    for (int t = 0; t < kPlanStride; ++t)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) y[u] = N[y[u]];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (x0 + u * kPlanCtaThreads <= total) NS[x0 + u * kPlanCtaThreads] = y[u];
+  }
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  // ---- the walk over every kPlanStride-th part, then the parts between
+  if (tid == 0) {
+    int x = 0;
+    X[0] = 0;
+    for (int k = kPlanStride; k <= parts; k += kPlanStride) {
+      x = NS[x];
+      X[k] = x;
+    }
+  }
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  for (int k = tid; k <= parts; k += kPlanCtaThreads) {
+    const int j = k % kPlanStride;
+    if (j == 0) continue;
+    int x = X[k - j];
+    for (int t = 0; t < j; ++t) x = N[x];
+    X[k] = x;
+  }
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  // ---- the request of each X, and whether it splits one
+  for (int k = tid; k <= parts; k += kPlanCtaThreads) {
+    const int x = X[k];
+    const int r = plan_last_le(C, b + 1, x);
+    R[k] = r;
+    S[k] = x < total && x != C[r] ? 1 : 0;
+  }
+  bar_sync(kPlanBar, kPlanCtaThreads);
+  cta_inclusive_scan(S, parts + 1, scratch);
   // ---- the records
   for (int k = tid; k < parts; k += kPlanCtaThreads) {
     int32_t row[8];
-    if (k >= kend) {  // empty: begin past end, as the greedy leaves it
+    const int x0 = X[k], x1 = X[k + 1];
+    if (x0 >= total) {  // empty: begin past end, as the greedy leaves it
       row[0] = b;
       row[1] = b - 1;
       row[2] = 0;
       row[3] = C[b] - C[b - 1] - ov;
       row[4] = row[5] = row[6] = 0;
     } else {
-      const int x0 = X[k], x1 = X[k + 1];
-      const int r0 = plan_last_le(C, b + 1, x0), bb = x0 - C[r0];
-      const int bs = bb == 0 ? 0 : S[k] - S[plan_last_le(X, kend + 1, C[r0])];
-      const int r1 = plan_last_le(C, b + 1, x1);
-      const int er = x1 == C[r1] ? r1 - 1 : r1;
+      const int r0 = R[k], bb = x0 - C[r0];
+      const int bs = bb == 0 ? 0 : S[k] - S[plan_last_le(X, parts + 1, C[r0])];
+      const int r1 = R[k + 1];
+      const bool at_start = x1 == C[r1];  // (x1 == C[b] included)
+      const int er = at_start ? r1 - 1 : r1;
       const int nb = C[er + 1] - C[er] - ov;
-      const int eb = x1 == C[r1] ? nb : x1 - C[r1];
+      const int eb = at_start ? nb : x1 - C[r1];
       int first = bb != 0 ? 1 : 0, last = eb != nb ? 1 : 0;
       if (r0 == er) first = last = (first | last);
       row[0] = r0;
@@ -2086,7 +2129,7 @@ DEVFN void plan_cta(const PlanParams& p, char* smem) {
   // ---- num_splits[r + 1] = r + 1 + (split points before request r's end)
   if (tid == 0) p.num_splits[0] = 0;
   for (int r = tid; r < b; r += kPlanCtaThreads)
-    p.num_splits[r + 1] = r + 1 + S[plan_last_le(X, kend + 1, C[r + 1] - 1)];
+    p.num_splits[r + 1] = r + 1 + S[plan_last_le(X, parts + 1, C[r + 1] - 1)];
 }
 
 // ============================================================================== combine

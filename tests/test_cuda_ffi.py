@@ -603,9 +603,10 @@ def test_emulated_planner_many_random_cases(emu, plan_oracle):
 
 @pytest.mark.parametrize("b,parts,topk,extra,want_cta", [
     (2, 66, 16384, None, True),        # few long requests: long walks inside one request
-    (148, 66, 16384, None, True),      # the top-k 16384 case: a 38.6k-entry cost table
+    (5, 7, 2048, 512, True),           # fewer parts than the walk's stride
+    (64, 66, 16384, None, True),       # top-k 16384: a 16.7k-entry cost table
+    (148, 66, 16384, None, False),     # FlashMLA's top-k 16384 case: 38.6k entries, past the CTA planner's tables
     (128, 132, 128, 512, True),        # a V4.1 step's c1a plan (every part ends on a request boundary)
-    (700, 132, 16384, None, False),    # a cost table past the CTA planner's shared memory: the warp planner
     (3, 5, 64 << 16, None, False),     # one request of 2^16 blocks or more: the warp planner
 ])
 def test_emulated_planner_paths(emu, b, parts, topk, extra, want_cta):
