@@ -371,7 +371,6 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->h_pad = (int32_t)h_pad;
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
   p->pair = prefill_pair_groups(p->num_groups);
-  p->ctas = (int32_t)std::min<int64_t>(s_q * p->num_groups, kMaxI32);  // one item per CTA unless the launch caps it
   return "";
 }
 

@@ -114,7 +114,6 @@ struct PrefillParams {
   float scale_log2;
   int32_t s_q, h_pad, num_groups;
   int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
-  int32_t ctas;  // the seesaw's persistent grid: CTA c runs items c, c + ctas, ... (item = s * num_groups + group)
 };
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P

@@ -30,20 +30,7 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (p.kv.fmt == kFmtF16) {
     cudaError_t e = ensure_smem_limit((const void*)dsv41_prefill_f16_kernel, kSmemLaunchBytes, &done_f16);
     if (e != cudaSuccess) return e;
-#ifndef DSV41_FORCE_MMA_SYNC
-    // sm_90 runs the seesaw, which is persistent: one CTA per SM, each walking items c, c + ctas, ...
-    int dev = 0, major = 0, minor = 0, sms = 0;
-    if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-    if (major == 9 && minor == 0 && sms > 0 && sms < grid) {
-      PrefillParams q = p;
-      q.ctas = sms;
-      return launch_attention(dsv41_prefill_f16_kernel, q, (long long)sms, false, stream);
-    }
-#endif
-    return launch_attention(dsv41_prefill_f16_kernel, p, grid, false, stream);  // one item per CTA
+    return launch_attention(dsv41_prefill_f16_kernel, p, grid, false, stream);
   }
 #ifdef DSV41_EXP_PREFILL_PAIR
   const bool pair = p.pair != 0;

@@ -6,8 +6,7 @@
 // registers across the copy latency, and the consumers can share the tensor work evenly. Other
 // builds (the sm_100a mma.sync path) run prefill_cta over the same rows (no conversion there either).
 //
-// Items are (query token, 64-head group) pairs, several per CTA (a persistent grid of one CTA per SM; see
-// prefill_seesaw_cta); 384 threads, the shared-memory map of kernels.cuh
+// One CTA per (query token, 64-head group), 384 threads, the shared-memory map of kernels.cuh
 // (params.h): Q f16 [64][512], K f16 [2 buffers][64 tokens][512], P f16 [2][64][64].
 // Tiles go in pairs: tile 2i into buffer 0, tile 2i + 1 into buffer 1 (a missing last tile is an
 // all-masked one: zero-filled, no reads). Each buffer is two halves, dims 0..255 (column blocks
@@ -66,8 +65,7 @@ DEVFN SwIdx sw_load_idx(const int32_t* row, int len, int pair, int rbase) {
   return x;
 }
 
-// g0: the pairs this CTA's earlier items ran (the mbarrier phases continue across items).
-DEVFN void seesaw_produce(char* smem, const PrefillParams& p, int64_t s, int len, int npairs, int g0, int pt) {
+DEVFN void seesaw_produce(char* smem, const PrefillParams& p, int64_t s, int len, int npairs, int pt) {
   const int wp = pt >> 5, lane = pt & 31, ig = lane & 7;
   const int rbase = 16 * wp + (lane >> 3);  // rows rbase + 4 lr
   const int32_t* row = p.kv.indices + s * (int64_t)p.kv.topk;
@@ -97,7 +95,7 @@ DEVFN void seesaw_produce(char* smem, const PrefillParams& p, int64_t s, int len
       }
     }
     if (i + 1 < npairs) nxt = sw_load_idx(row, len, i + 1, rbase);  // consumed next iteration
-    const uint32_t fpar = (uint32_t)((g0 + i) & 1) ^ 1u;  // FREE: the first wait of each half passes at once
+    const uint32_t fpar = (uint32_t)(i & 1) ^ 1u;  // FREE: the first wait of each half passes at once
     // Halves in the order their readers release them: K0 low, K1 high, K0 high, K1 low.
 #pragma unroll
     for (int st = 0; st < 4; ++st) {
@@ -197,11 +195,11 @@ DEVFN void sw_publish_base(float* sm, const Acc& acc, int r0, int t, int bar) {
 }
 
 // Warpgroup 0: tiles 2i (buffer 0), O[:, 0:256].
-DEVFN void seesaw_wg0(char* smem, int npairs, int g0, Acc& acc, float scale_log2, int w, int lane) {
+DEVFN void seesaw_wg0(char* smem, int npairs, Acc& acc, float scale_log2, int w, int lane) {
   const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
   float* sm = reinterpret_cast<float*>(smem + kSmemRowMax);  // the published base, [64]
   float s[8][4];
-  sw_qk<0>(smem, 0, (uint32_t)g0 & 1u, s, 0u);
+  sw_qk<0>(smem, 0, 0u, s, 0u);
 #pragma unroll 1
   for (int i = 0; i < npairs; ++i) {
     sw_mask(smem, 0, s, scale_log2, t);
@@ -248,7 +246,7 @@ DEVFN void seesaw_wg0(char* smem, int npairs, int g0, Acc& acc, float scale_log2
     pv_issue(acc, sw_pdesc(smem, 1), sw_vdesc(smem, 1, 0));
     const uint32_t free_k1lo = smem_addr(smem + sw_free(1, 0));
     if (i + 1 < npairs) {
-      sw_qk<0>(smem, 0, (uint32_t)(g0 + i + 1) & 1u, s, free_k1lo);
+      sw_qk<0>(smem, 0, (uint32_t)(i + 1) & 1u, s, free_k1lo);
     } else {
       wgmma_wait<0>();
       mbar_arrive(free_k1lo);
@@ -258,13 +256,13 @@ DEVFN void seesaw_wg0(char* smem, int npairs, int g0, Acc& acc, float scale_log2
 }
 
 // Warpgroup 1: tiles 2i + 1 (buffer 1), O[:, 256:512].
-DEVFN void seesaw_wg1(char* smem, int npairs, int g0, Acc& acc, float scale_log2, int w, int lane) {
+DEVFN void seesaw_wg1(char* smem, int npairs, Acc& acc, float scale_log2, int w, int lane) {
   const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
   float* sm = reinterpret_cast<float*>(smem + kSmemRowMax);
   float s[8][4];
 #pragma unroll 1
   for (int i = 0; i < npairs; ++i) {
-    sw_qk<1>(smem, 1, (uint32_t)(g0 + i) & 1u, s, 0u);
+    sw_qk<1>(smem, 1, (uint32_t)i & 1u, s, 0u);
     sw_mask(smem, 1, s, scale_log2, t);
     const float mt[2] = {quad_row_max(s, 0), quad_row_max(s, 1)};
     bar_sync(kBarSwM0, kConsumerThreads);  // warpgroup 0's base m0
@@ -315,23 +313,11 @@ DEVFN void seesaw_publish_stats(char* smem, Acc& acc, int w, int lane) {
   bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-// The items of CTA c are c, c + ctas, ...: the producers run on into the next item's tiles as soon as buffers free
-// up, so its first tiles load under this item's epilogue, and the next item's Q is prefetched into L2 meanwhile.
-DEVFN int seesaw_len(const PrefillParams& p, int64_t item) {
-  return load_len(p.kv.lengths, p.kv.lengths_stride, item / p.num_groups, p.kv.topk);
-}
-
-DEVFN void seesaw_prefetch_q(const PrefillParams& p, int64_t item, int ct) {
-  const int64_t s = item / p.num_groups, group = item % p.num_groups;
-  const char* q = reinterpret_cast<const char*>(p.q + (s * p.h_pad + group * kHeadsPerCta) * kHeadDim);
-  // 64 heads x 1 KB: 512 lines of 128 bytes, two per consumer thread
-  prefetch_l2(q + 128 * ct);
-  prefetch_l2(q + 128 * (ct + kConsumerThreads));
-}
-
 DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const int64_t items = (int64_t)p.num_groups * p.s_q;
+  const int64_t bid = block_idx();
+  const int group = (int)(bid % p.num_groups);
+  const int64_t s = bid / p.num_groups;
   const int w = warp_idx(), lane = lane_idx();
   if (thread_idx() == 0) {
     for (int b = 0; b < 2; ++b)
@@ -342,41 +328,27 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
     fence_mbar_init();
   }
   bar_sync(kBarCta, kThreads);
+  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);
+  const int npairs = (len + 2 * kTileTokens - 1) / (2 * kTileTokens);
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<kSeesawProducerRegs>();
-    int g0 = 0;
-    for (int64_t item = block_idx(); item < items; item += p.ctas) {
-      const int len = seesaw_len(p, item);
-      const int npairs = (len + 2 * kTileTokens - 1) / (2 * kTileTokens);
-      seesaw_produce(smem, p, item / p.num_groups, len, npairs, g0, thread_idx() - kConsumerThreads);
-      g0 += npairs;
-    }
+    seesaw_produce(smem, p, s, len, npairs, thread_idx() - kConsumerThreads);
     return;
   }
   setmaxnreg_inc<kSeesawConsumerRegs>();
-  int g0 = 0;
-  for (int64_t item = block_idx(); item < items; item += p.ctas) {
-    const int group = (int)(item % p.num_groups);
-    const int64_t s = item / p.num_groups;
-    const int len = seesaw_len(p, item);
-    const int npairs = (len + 2 * kTileTokens - 1) / (2 * kTileTokens);
-    const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
-    if (item != block_idx()) bar_sync(kBarConsumers, kConsumerThreads);  // the last epilogue is done with Q and the stats
-    Acc acc;
-    if (npairs > 0) load_q<false>(smem, p.q + head_row * kHeadDim, thread_idx());
-    if (item + p.ctas < items) seesaw_prefetch_q(p, item + p.ctas, thread_idx());
-    acc_reset(acc);
-    if (npairs > 0) {
-      if (w < 4)
-        seesaw_wg0(smem, npairs, g0, acc, p.scale_log2, w, lane);
-      else
-        seesaw_wg1(smem, npairs, g0, acc, p.scale_log2, w, lane);
-    }
-    g0 += npairs;
-    seesaw_publish_stats(smem, acc, w, lane);
-    write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
-                                    p.max_logits + head_row, group_sink(p.sink, group));
+  Acc acc;
+  const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
+  if (npairs > 0) load_q<false>(smem, p.q + head_row * kHeadDim, thread_idx());
+  acc_reset(acc);
+  if (npairs > 0) {
+    if (w < 4)
+      seesaw_wg0(smem, npairs, acc, p.scale_log2, w, lane);
+    else
+      seesaw_wg1(smem, npairs, acc, p.scale_log2, w, lane);
   }
+  seesaw_publish_stats(smem, acc, w, lane);
+  write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
+                                  p.max_logits + head_row, group_sink(p.sink, group));
 }
 #endif  // DSV41_WGMMA
 
