@@ -9,7 +9,10 @@ from dsv41_jax import (attention, backends, buckets, config, kv_cache, layer_typ
                        scheduler)
 from dsv41_jax.attention import (
     DecodeCall,
+    ImplCandidate,
+    ImplChoice,
     PrefillCall,
+    explain_impl,
     sparse_mla_decode,
     sparse_mla_mega_decode,
     sparse_mla_mega_prefill,
