@@ -11,12 +11,24 @@ The CUDA build needs nvcc (PATH, $CUDACXX, $CUDA_HOME/bin or /usr/local/cuda/bin
 runtime statically, so the library loads on machines without a GPU. ptxas's resource report
 (registers, shared memory, spills per kernel) is written to cuda_ffi/lib/ptxas_report.txt.
 The built library is picked up by `import cuda_ffi`; set DSV41_CUDA_LIB=/path/to/lib.so to use
-another one.
+another one. Every build writes build_info.json beside the library (archs, nvcc release, git commit,
+time, source key), read by `cuda_ffi.build_info()` and `python -m dsv41_jax.info`.
+
+Without an explicit build, `build_cached` is the first-use build: `cuda_ffi` calls it when a GPU of
+compute capability 9.x / 10.x is the default device and no library exists, and builds into
+`$DSV41_CUDA_CACHE` (default `~/.cache/dsv41_jax/cuda`) under a key of the sources, the archs and
+the jax version, so an edited source or another jax gets its own build and a built one is reused.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import fcntl
+import functools
+import hashlib
+import json
+import logging
 import os
 import re
 import shutil
@@ -30,9 +42,16 @@ LIB_DIR = HERE / "lib"
 BUILD_DIR = HERE / "build"
 LIB_NAME = "libdsv41_cuda.so"
 EMU_NAME = "libdsv41_emu.so"
+INFO_NAME = "build_info.json"
 DEFAULT_ARCHS = "90a;100a"
+CACHE_ENV = "DSV41_CUDA_CACHE"
+# the files the library is built from (package data, so an installed package can build itself)
+SOURCE_GLOBS = ("CMakeLists.txt", "*.cu", "*.cuh", "*.h")
 
-__all__ = ["find_nvcc", "find_cmake", "find_cxx", "build_library", "build_emulator", "BuildError"]
+__all__ = ["find_nvcc", "find_cmake", "find_cxx", "build_library", "build_emulator", "BuildError", "cache_root",
+           "source_key", "cached_library_path", "build_cached", "missing_tools", "build_hint", "INFO_NAME"]
+
+_log = logging.getLogger("dsv41_jax.cuda_ffi")
 
 
 class BuildError(RuntimeError):
@@ -79,6 +98,29 @@ def find_cxx() -> str | None:
     return None
 
 
+def missing_tools() -> list[str]:
+    """What the CUDA build lacks here, each with where it was looked for ([] when nvcc and cmake are found)."""
+    out = []
+    if find_nvcc() is None:
+        out.append("nvcc not found (looked at $CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    if find_cmake() is None:
+        out.append("cmake not found (PATH or the `cmake` pip package)")
+    return out
+
+
+def build_hint() -> str:
+    """What to do to get the CUDA library on this machine."""
+    missing = missing_tools()
+    if not missing:
+        return "nvcc and cmake are here: `python -m cuda_ffi.build` builds it"
+    fixes = []
+    if find_nvcc() is None:
+        fixes.append("install the CUDA toolkit (nvcc; tested with CUDA 13.0) or set $CUDA_HOME")
+    if find_cmake() is None:
+        fixes.append("`pip install cmake` (part of `pip install \"dsv41-jax[cuda]\"`)")
+    return "; ".join(missing) + ": " + " and ".join(fixes) + ", then `python -m cuda_ffi.build`"
+
+
 def _ffi_include_dir() -> str:
     import jax
 
@@ -108,13 +150,43 @@ def _ptxas_report(text: str) -> str:
 CONSUMERS = ("wgmma", "mma_sync")
 
 
+def _tool_output(cmd: list[str]) -> str | None:
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _build_info(*, archs: str, nvcc: str, force_mma_sync: bool, defines: tuple[str, ...]) -> dict:
+    """What build_info.json records: enough to say which kernels a library holds and where they came from."""
+    import jax
+
+    version = _tool_output([nvcc, "--version"]) or ""
+    release = next((line for line in version.splitlines() if "release" in line), None)  # "..., release 13.0, V13.0.88"
+    commit = _tool_output(["git", "-C", str(HERE), "rev-parse", "HEAD"])
+    dirty = _tool_output(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no", "--", *SOURCE_GLOBS])
+    return {
+        "archs": archs.split(";"),
+        "nvcc": release,
+        "commit": commit,
+        "sources_modified": bool(dirty) if commit else None,
+        "source_key": source_key(archs),
+        "jax": jax.__version__,
+        "force_mma_sync": force_mma_sync,
+        "defines": list(defines),
+        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_dir: Path = LIB_DIR,
                   build_dir: Path = BUILD_DIR, verbose: bool = False, force_mma_sync: bool = False,
-                  defines: tuple[str, ...] = ()) -> Path:
+                  defines: tuple[str, ...] = (), quiet: bool = False) -> Path:
     """Configure and build libdsv41_cuda.so with CMake; returns its path. sm_90a gets the wgmma
     consumers unless `force_mma_sync` (timing comparisons); sm_100a always the mma.sync ones.
     `defines`: extra preprocessor definitions (NAME or NAME=VALUE) for experiments, e.g. the
-    DSV41_EXP_* switches of kernels.cuh that leave one stage out to time the others."""
+    DSV41_EXP_* switches of kernels.cuh that leave one stage out to time the others. `quiet`: no
+    "built ..." line on stdout (the first-use build logs instead)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found (looked at $CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
@@ -136,12 +208,69 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
         raise BuildError(f"build finished but {lib} is missing")
     text = "\n".join(log)
     (out_dir / "build.log").write_text(text)
+    info = _build_info(archs=archs, nvcc=nvcc, force_mma_sync=force_mma_sync, defines=defines)
+    (out_dir / INFO_NAME).write_text(json.dumps(info, indent=1) + "\n")
     report = _ptxas_report(text)
     if report.strip():  # an up-to-date (no-op) build compiles nothing: keep the last report
         (out_dir / "ptxas_report.txt").write_text(report)
     if verbose:
         print(text)
-    print(f"built {lib} in {time.time() - t0:.1f} s (archs {archs}{', mma.sync forced' if force_mma_sync else ''})")
+    if not quiet:
+        print(f"built {lib} in {time.time() - t0:.1f} s (archs {archs}{', mma.sync forced' if force_mma_sync else ''})")
+    return lib
+
+
+def cache_root() -> Path:
+    """Where first-use builds go: $DSV41_CUDA_CACHE, else $XDG_CACHE_HOME/dsv41_jax/cuda (~/.cache/...)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv41_jax" / "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def source_key(archs: str = DEFAULT_ARCHS) -> str:
+    """16 hex digits of the library's sources, the archs and the jax version (whose FFI headers it
+    compiles against)."""
+    import jax
+
+    h = hashlib.sha256(f"{archs}\0{jax.__version__}\0".encode())
+    for path in sorted({p for g in SOURCE_GLOBS for p in HERE.glob(g)}):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def cached_library_path(archs: str | None = None) -> Path:
+    """The first-use build's library (built or not) for these sources; archs default to DEFAULT_ARCHS."""
+    return cache_root() / source_key(archs or DEFAULT_ARCHS) / LIB_NAME
+
+
+def build_cached(*, archs: str | None = None, jobs: int | None = None) -> Path:
+    """Build the library into `cached_library_path(archs)` unless it is there; returns its path.
+
+    A lock file serialises processes that start together (one builds, the others then find it), and
+    the library is moved into place last, so a process that reads the cache without the lock never
+    sees a half-written one. Progress goes to the `dsv41_jax` logger (WARNING: a build takes minutes)."""
+    archs = archs or DEFAULT_ARCHS
+    lib = cached_library_path(archs)
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file():
+            return lib
+        stage, build_dir = lib.parent / "stage", lib.parent / "build"
+        _log.warning("cuda_ffi: building the CUDA kernels (archs %s) into %s: once per source version, "
+                     "a few minutes", archs, lib.parent)
+        t0 = time.time()
+        build_library(archs=archs, jobs=jobs, out_dir=stage, build_dir=build_dir, quiet=True)
+        for name in ("build.log", "ptxas_report.txt", INFO_NAME, LIB_NAME):  # the library last
+            if (stage / name).is_file():
+                os.replace(stage / name, lib.parent / name)
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(build_dir, ignore_errors=True)
+        _log.warning("cuda_ffi: built %s in %.0f s", lib, time.time() - t0)
     return lib
 
 

@@ -9,7 +9,10 @@ from dsv41_jax import (attention, backends, buckets, config, kv_cache, layer_typ
                        scheduler)
 from dsv41_jax.attention import (
     DecodeCall,
+    ImplCandidate,
+    ImplChoice,
     PrefillCall,
+    explain_impl,
     sparse_mla_decode,
     sparse_mla_mega_decode,
     sparse_mla_mega_prefill,
@@ -74,10 +77,11 @@ from dsv41_jax.scheduler import num_sm_parts_for, plan_decode_splits
 
 from dsv41_jax import sharding
 
-# The Flax model side is imported on first use, so the ops and kernels need no Flax import.
+# The Flax model side is imported on first use, so the ops and kernels need no Flax import; `info` too, so
+# `python -m dsv41_jax.info` runs a module not imported yet.
 _LAZY = {
     "engine": ("dsv41_jax.engine", None), "model": ("dsv41_jax.model", None), "nn": ("dsv41_jax.nn", None),
-    "weights": ("dsv41_jax.weights", None),
+    "weights": ("dsv41_jax.weights", None), "info": ("dsv41_jax.info", None),
     "EngineConfig": ("dsv41_jax.engine", "EngineConfig"), "InferenceEngine": ("dsv41_jax.engine", "InferenceEngine"),
     "dense_forward": ("dsv41_jax.model", "dense_forward"),
     "DeepseekV41Attention": ("dsv41_jax.nn", "DeepseekV41Attention"),

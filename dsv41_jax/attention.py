@@ -8,14 +8,21 @@ FlashMLA's (see `dsv41_jax.reference`). Every check runs at trace time and raise
 ValueError / TypeError naming the argument, the expected and the actual value.
 
 Implementations: "xla" (reference, any device), "pallas" and "cuda" (registered by
-`pallas_kernels` / `cuda_ffi` when importable). `impl="auto"` asks `select_backend` for the
-default device and the call's formats and falls back to "xla" when the chosen kernel does not
-support the call (its `supports` predicate says why).
+`pallas_kernels` / `cuda_ffi` when importable). `impl="auto"` tries them in `AUTO_ORDER`: a
+kernel runs when `select_backend` finds one of its backends for the default device and the call's
+format and page size (its implementation available here) and its `supports` predicate accepts the
+call; else "xla" runs. `explain_impl` returns that decision with every candidate's reasons, and
+`auto` decides through the same function, so the two never disagree. On an accelerator, a call
+that lands on the reference logs a WARNING on the `dsv41_jax` logger naming why each kernel
+declined, once per distinct set of reasons; on a CPU the reference is the expected choice and
+nothing is logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +34,10 @@ import numpy as np
 from dsv41_jax import kv_cache as kvc
 from dsv41_jax.backends import (
     BackendSelectionError,
+    DeviceInfo,
+    _impl_unavailable_reason,
     canonical_kv_cache_dtype,
+    registered_backends,
     select_backend,
 )
 from dsv41_jax.plans import DecodePlan
@@ -36,6 +46,10 @@ from dsv41_jax.reference import Pool, sparse_attention_rows
 __all__ = [
     "DecodeCall",
     "PrefillCall",
+    "ImplCandidate",
+    "ImplChoice",
+    "AUTO_ORDER",
+    "explain_impl",
     "sparse_mla_decode",
     "sparse_mla_prefill",
     "sparse_mla_mega_decode",
@@ -49,6 +63,9 @@ __all__ = [
 
 HEAD_DIM = 512
 _INT32_MIN = -(2**31)
+AUTO_ORDER = ("cuda", "pallas", "xla")  # the order impl="auto" tries the implementations in
+_MODULES = {"cuda": "cuda_ffi", "pallas": "pallas_kernels"}  # the packages that register the fast paths
+_log = logging.getLogger("dsv41_jax")
 
 
 # --------------------------------------------------------------------------- call records
@@ -139,7 +156,7 @@ _IMPORT_ERRORS: dict[str, str] = {}
 def _load_optional_impls() -> None:
     # The fast paths register themselves on import; a missing or broken one is left out, and
     # `impl=` names it with the reason.
-    for mod in ("pallas_kernels", "cuda_ffi"):
+    for mod in _MODULES.values():
         if mod in _IMPORT_ERRORS:
             continue
         try:
@@ -381,29 +398,154 @@ register_prefill_impl("xla", _prefill_xla)
 
 
 # ------------------------------------------------------------------------------- dispatch
-def _choose(table: dict[str, _Impl], impl: str, call: Any, *, kv_cache_dtype: str, block_size: int | None) -> _Impl:
-    _load_optional_impls()
-    if impl != "auto":
-        if impl not in table:
-            why = {k: v for k, v in _IMPORT_ERRORS.items() if v}
-            raise ValueError(f"impl={impl!r} is not available here (available: {sorted(table)}"
-                             + (f"; import errors: {why}" if why else "") + "); build or install it, or use impl='auto'")
-        why = table[impl].supports(call)
+@dataclasses.dataclass(frozen=True)
+class ImplCandidate:
+    """One implementation as `impl="auto"` weighed it: accepted, or the reasons it declined."""
+
+    impl: str
+    accepted: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ImplChoice:
+    """What `impl="auto"` runs for one call and why (`explain_impl`).
+
+    op: "sparse_mla_decode" or "sparse_mla_prefill"; device: the default device the choice was made
+    for; impl: the implementation that runs (the first accepted candidate); candidates: every
+    implementation in `AUTO_ORDER`, each with `select_backend`'s rejections of its backends and its
+    kernel's `supports` answer (candidates after the chosen one are weighed too)."""
+
+    op: str
+    device: DeviceInfo
+    impl: str
+    candidates: tuple[ImplCandidate, ...]
+
+    def declined(self) -> tuple[ImplCandidate, ...]:
+        return tuple(c for c in self.candidates if not c.accepted)
+
+    def __str__(self) -> str:
+        cc = "" if self.device.compute_capability is None else " %d.%d" % self.device.compute_capability
+        lines = [f"{self.op}(impl='auto') on {self.device.platform}{cc} runs {self.impl!r}:"]
+        lines += [f"  {c.impl:<7}{'accepted' if c.accepted else 'declined'}: {c.reason}" for c in self.candidates]
+        return "\n".join(lines)
+
+
+def _table(call: DecodeCall | PrefillCall) -> dict[str, _Impl]:
+    return _DECODE if isinstance(call, DecodeCall) else _PREFILL
+
+
+def _weigh(name: str, call: DecodeCall | PrefillCall, device: DeviceInfo) -> ImplCandidate:
+    """One candidate: a backend of it must serve the device and the call's format and page size (the
+    registry; its availability probe may build the library on first use) and its kernel must accept the
+    call (its `supports`)."""
+    if name == "xla":
+        return ImplCandidate("xla", True, "the reference: any device, every format and page size")
+    reasons: list[str] = []
+    served = None
+    # decode asks for its cache's format and page size; prefill reads plain bf16 rows
+    fmt, bs = (call.kv_format, call.block_size) if isinstance(call, DecodeCall) else ("auto", None)
+    try:
+        served = select_backend(device, impls=(name,), kv_cache_dtype=fmt, block_size=bs)
+    except BackendSelectionError as e:
+        # one entry per distinct list of reasons, naming the backends (of this implementation) it rejects
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for spec in registered_backends():
+            if spec.impl == name and "sparse" in spec.interfaces and spec.name in e.reasons:
+                groups.setdefault(tuple(e.reasons[spec.name]), []).append(spec.name)
+        reasons += [f"{', '.join(names)}: {'; '.join(rs)}" for rs, names in groups.items()]
+    impl = _table(call).get(name)  # looked up after the probe, which registers a library it has just built
+    if impl is None:
+        mod = _MODULES.get(name)
+        why = (f"import {mod} failed: {_IMPORT_ERRORS[mod]}" if mod in _IMPORT_ERRORS
+               else _impl_unavailable_reason(name) or f"implementation {name!r} is not registered")
+        if not any(why in r for r in reasons):
+            reasons.append(why)
+    else:
+        why = impl.supports(call)
         if why is not None:
-            raise ValueError(f"impl={impl!r} does not support this call: {why}")
-        return table[impl]
-    # Fast paths in the registry's priority order; each must both fit the device (backend
-    # registry) and accept this call's shapes and formats (its own predicate).
-    for name in ("cuda", "pallas"):
-        cand = table.get(name)
-        if cand is None or cand.supports(call) is not None:
-            continue
-        try:
-            select_backend(impls=(name,), kv_cache_dtype=kv_cache_dtype, block_size=block_size)
-        except BackendSelectionError:
-            continue
-        return cand
-    return table["xla"]
+            reasons.append(why)
+    if reasons:
+        return ImplCandidate(name, False, " | ".join(reasons))
+    return ImplCandidate(name, True, f"{served.name} serves the device and the cache format, and the kernel "
+                                     f"accepts the call")
+
+
+def _auto_choice(call: DecodeCall | PrefillCall) -> ImplChoice:
+    """The decision of impl="auto" (what `explain_impl` returns and the ops run)."""
+    _load_optional_impls()
+    op = "sparse_mla_decode" if isinstance(call, DecodeCall) else "sparse_mla_prefill"
+    device = DeviceInfo.default()
+    cands = tuple(_weigh(name, call, device) for name in AUTO_ORDER)
+    return ImplChoice(op, device, next(c.impl for c in cands if c.accepted), cands)
+
+
+# The reason sets already warned about, per process: a serving loop traces many shapes and would
+# otherwise repeat one warning per trace; a new cause (another format, a larger cache) warns again.
+_WARNED: set[tuple] = set()
+
+
+def _warn_if_reference(choice: ImplChoice) -> None:
+    """On an accelerator the reference is 16-25x slower than the kernels (README): say why it runs."""
+    if choice.impl != "xla" or choice.device.platform == "cpu":
+        return
+    key = (choice.op, tuple((c.impl, c.reason) for c in choice.declined()))
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    _log.warning("%s(impl='auto') runs the xla reference on %s, far slower than the kernels: %s. "
+                 "`dsv41_jax.explain_impl` explains a call, `python -m dsv41_jax.info` this install.",
+                 choice.op, choice.device.platform, "; ".join(f"{c.impl} declined: {c.reason}" for c in choice.declined()))
+
+
+def _choose(impl: str, call: DecodeCall | PrefillCall) -> _Impl:
+    if impl == "auto":
+        choice = _auto_choice(call)
+        _warn_if_reference(choice)
+        return _table(call)[choice.impl]
+    _load_optional_impls()
+    probe = None if impl in _table(call) else _impl_unavailable_reason(impl)  # may build the library on first use
+    table = _table(call)
+    if impl not in table:
+        why = {k: v for k, v in _IMPORT_ERRORS.items() if v}
+        raise ValueError(f"impl={impl!r} is not available here (available: {sorted(table)}"
+                         + (f"; import errors: {why}" if why else "") + (f"; {probe}" if probe else "")
+                         + "); build or install it, or use impl='auto'")
+    why = table[impl].supports(call)
+    if why is not None:
+        raise ValueError(f"impl={impl!r} does not support this call: {why}")
+    return table[impl]
+
+
+def explain_impl(op: Any, /, *args: Any, **kwargs: Any) -> ImplChoice:
+    """What `impl="auto"` would run for a call, and why, without running it.
+
+    op: `sparse_mla_decode` or `sparse_mla_prefill` (the function or its name; "decode" / "prefill"
+    too) followed by the op's own arguments, or a `DecodeCall` / `PrefillCall` alone. The arguments
+    are checked as the op checks them (same errors); `impl` may be given only as "auto". Works under
+    `jax.jit` and `jax.eval_shape`, so a call can be asked about with abstract arrays. Returns an
+    `ImplChoice`: the chosen implementation and every candidate in `AUTO_ORDER` with its reasons
+    (`str()` of it is a readable summary). `impl="auto"` decides through the same function, so asking
+    on a GPU without the CUDA library runs its first-use build, as the call would (`cuda_ffi`).
+    """
+    if isinstance(op, (DecodeCall, PrefillCall)):
+        if args or kwargs:
+            raise TypeError("explain_impl(call) takes a DecodeCall / PrefillCall alone, without op arguments")
+        return _auto_choice(op)
+    if op is sparse_mla_decode or (isinstance(op, str) and op in ("sparse_mla_decode", "decode")):
+        fn, make = sparse_mla_decode, _make_decode_call
+    elif op is sparse_mla_prefill or (isinstance(op, str) and op in ("sparse_mla_prefill", "prefill")):
+        fn, make = sparse_mla_prefill, _make_prefill_call
+    else:
+        raise ValueError(f"op must be sparse_mla_decode or sparse_mla_prefill (the function or its name), or a "
+                         f"DecodeCall / PrefillCall, got {op!r}")
+    bound = inspect.signature(fn).bind(*args, **kwargs)  # TypeError naming a missing or unknown argument
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    impl = _check_impl(a.pop("impl"))
+    if impl != "auto":
+        raise ValueError(f"explain_impl explains impl='auto'; impl={impl!r} runs {impl!r} or raises")
+    return _auto_choice(make(**a))
 
 
 def sparse_mla_decode(
@@ -448,7 +590,7 @@ def sparse_mla_decode(
     call = _make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, softmax_scale, attn_sink,
                              extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format, extra_block_size,
                              plan, batch_invariant)
-    chosen = _choose(_DECODE, impl, call, kv_cache_dtype=call.kv_format, block_size=call.block_size)
+    chosen = _choose(impl, call)
     with jax.named_scope("dsv41_sparse_mla_decode"):
         return chosen.fn(call)
 
@@ -473,7 +615,7 @@ def sparse_mla_prefill(
     """
     impl = _check_impl(impl)
     call = _make_prefill_call(q, kv, indices, softmax_scale, attn_sink, topk_length)
-    chosen = _choose(_PREFILL, impl, call, kv_cache_dtype="auto", block_size=None)
+    chosen = _choose(impl, call)
     with jax.named_scope("dsv41_sparse_mla_prefill"):
         return chosen.fn(call)
 

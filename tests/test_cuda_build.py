@@ -1,0 +1,122 @@
+"""The CUDA library's first-use build: where it goes, when it runs, what it says when it cannot.
+
+A GPU default device is simulated by `cuda_ffi._device_reason` answering None; the registries and
+cuda_ffi's loaded-library state are copied or reset per test, so nothing leaks into other tests.
+The real build (nvcc + cmake, sm_90a only) runs where both tools are found and is skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import cuda_ffi
+from cuda_ffi import build as cbuild
+from dsv41_jax import attention, backends
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """No library anywhere cuda_ffi looks, a cache in tmp_path, a simulated GPU, isolated registries."""
+    monkeypatch.delenv("DSV41_CUDA_LIB", raising=False)
+    monkeypatch.delenv("DSV41_CUDA_AUTOBUILD", raising=False)
+    monkeypatch.setenv("DSV41_CUDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cuda_ffi, "_DEFAULT_LIB", tmp_path / "lib" / cbuild.LIB_NAME)
+    for name, value in (("_lib", None), ("_load_error", None), ("_registered", False), ("_build_error", None),
+                        ("_WARNED", set())):
+        monkeypatch.setattr(cuda_ffi, name, value)
+    monkeypatch.setattr(cuda_ffi, "_device_reason", lambda: None)
+    monkeypatch.setattr(attention, "_DECODE", {k: v for k, v in attention._DECODE.items() if k != "cuda"})
+    monkeypatch.setattr(attention, "_PREFILL", {k: v for k, v in attention._PREFILL.items() if k != "cuda"})
+    monkeypatch.setattr(backends, "_IMPL_AVAILABILITY", dict(backends._IMPL_AVAILABILITY))
+    return tmp_path
+
+
+def test_cache_location_and_key(fresh, monkeypatch):
+    root = fresh / "cache"
+    assert cbuild.cache_root() == root
+    key = cbuild.source_key("90a;100a")
+    assert len(key) == 16 and int(key, 16) >= 0 and key != cbuild.source_key("90a")
+    assert cbuild.cached_library_path() == root / key / cbuild.LIB_NAME
+    assert cbuild.cached_library_path("90a") == root / cbuild.source_key("90a") / cbuild.LIB_NAME
+    monkeypatch.delenv("DSV41_CUDA_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(fresh / "xdg"))
+    assert cbuild.cache_root() == fresh / "xdg" / "dsv41_jax" / "cuda"
+
+
+def test_library_path_order(fresh, monkeypatch):
+    cached = cbuild.cached_library_path()
+    assert cuda_ffi.library_path() == cached and not cuda_ffi.library_present()
+    cuda_ffi._DEFAULT_LIB.parent.mkdir()
+    cuda_ffi._DEFAULT_LIB.write_bytes(b"")  # the explicit build wins over the cache
+    assert cuda_ffi.library_path() == cuda_ffi._DEFAULT_LIB
+    monkeypatch.setenv("DSV41_CUDA_LIB", str(fresh / "mine.so"))  # and $DSV41_CUDA_LIB over both
+    assert cuda_ffi.library_path() == fresh / "mine.so"
+    assert "DSV41_CUDA_LIB" in cuda_ffi.backend_unavailable_reason()
+
+
+def test_no_nvcc_on_a_gpu_is_said_not_silent(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(cbuild, "find_nvcc", lambda: None)
+    monkeypatch.setattr(cbuild, "build_cached", lambda **kw: pytest.fail("must not build without nvcc"))
+    caplog.set_level(logging.WARNING, logger="dsv41_jax")
+    why = cuda_ffi.backend_unavailable_reason()
+    assert "not built" in why and "nvcc not found" in why and "install the CUDA toolkit" in why
+    assert backends._impl_unavailable_reason("cuda") == why  # what select_backend, and so impl="auto", hears
+    # logged once, even when another kernel then runs
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("dsv41_jax")] == [why]
+
+
+def test_the_first_use_build_can_be_turned_off(fresh, monkeypatch):
+    monkeypatch.setenv("DSV41_CUDA_AUTOBUILD", "0")
+    monkeypatch.setattr(cbuild, "build_cached", lambda **kw: pytest.fail("the first-use build is off"))
+    why = cuda_ffi.backend_unavailable_reason()
+    assert "first-use build off: DSV41_CUDA_AUTOBUILD=0" in why and "python -m cuda_ffi.build" in why
+
+
+def test_a_failed_build_is_reported_once_and_not_retried(fresh, monkeypatch, caplog):
+    if cbuild.missing_tools():
+        monkeypatch.setattr(cbuild, "missing_tools", lambda: [])
+    calls = []
+
+    def failing(**kw):
+        calls.append(kw)
+        raise cbuild.BuildError("nvcc exploded (test)")
+
+    monkeypatch.setattr(cbuild, "build_cached", failing)
+    caplog.set_level(logging.WARNING, logger="dsv41_jax")
+    why = cuda_ffi.backend_unavailable_reason()
+    assert "first-use build" in why and "failed" in why and "nvcc exploded (test)" in why
+    assert cuda_ffi.backend_unavailable_reason() == why and len(calls) == 1
+    assert any("nvcc exploded (test)" in r.getMessage() for r in caplog.records if r.name.startswith("dsv41_jax"))
+    assert cuda_ffi.backend_unavailable_reason(build_missing=False) != why  # info's question builds nothing
+
+
+def test_info_asks_without_building(fresh, monkeypatch):
+    monkeypatch.setattr(cbuild, "build_cached", lambda **kw: pytest.fail("info must not build"))
+    why = cuda_ffi.backend_unavailable_reason(build_missing=False)
+    assert "not built" in why
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(cbuild.missing_tools()), reason="; ".join(cbuild.missing_tools()) or "tools found")
+def test_first_use_build_compiles_into_the_cache(fresh, monkeypatch, caplog):
+    """The build a GPU user's first call runs (here for sm_90a alone, ~45 s on two cores)."""
+    monkeypatch.setattr(cbuild, "DEFAULT_ARCHS", "90a")
+    caplog.set_level(logging.INFO, logger="dsv41_jax")
+    assert cuda_ffi.backend_unavailable_reason() is None  # built, loaded, and (simulated) on a GPU
+    lib = cbuild.cached_library_path()
+    assert lib.is_file() and cuda_ffi.library_path() == lib and lib.parent.parent == fresh / "cache"
+    assert not (lib.parent / "build").exists() and not (lib.parent / "stage").exists()
+    # progress at WARNING, which Python shows without any logging set up
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("dsv41_jax") and r.levelno == logging.WARNING]
+    assert any("building the CUDA kernels (archs 90a)" in m for m in msgs) and any("built " in m for m in msgs)
+    record = json.loads((lib.parent / cbuild.INFO_NAME).read_text())
+    assert record["archs"] == ["90a"] and "release" in record["nvcc"] and record["source_key"] == lib.parent.name
+    assert record["commit"] is None or len(record["commit"]) == 40
+    assert cuda_ffi.build_info() == record
+    # the implementations are registered, and a second process-level ask reuses the build
+    assert "cuda" in attention._DECODE and "cuda" in attention._PREFILL
+    monkeypatch.setattr(cbuild, "build_library", lambda **kw: pytest.fail("built twice"))
+    assert cbuild.build_cached() == lib
