@@ -7,6 +7,7 @@
 #   env           GPU, driver, jax / flax versions
 #   build         python -m cuda_ffi.build (sm_90a; SM100 is compiled on CPU CI, never run here)
 #   cuda-tests    tests/gpu/test_cuda_gpu.py       pallas-tests  tests/gpu/test_pallas_gpu.py
+#   install-tests tests/gpu/test_install_gpu.py (the first-use CUDA build, explain_impl, the fallback warning, info)
 #   pallas-ablation  pallas_kernels.bench on the two target cases with timing-only variants that leave a
 #                 stage out ($PALLAS_VARIANTS, default "default,staged,no_copy,no_compute,bf16_p";
 #                 $ABL_CASES decode,prefill); not recorded (experiments)
@@ -103,6 +104,7 @@ for s in "${stages[@]}"; do
     pallas-ablation) run timeout 500 $PY -m pallas_kernels.bench --iters 5 --variants "${PALLAS_VARIANTS:-default,staged,no_copy,no_compute,bf16_p}" \
         --cases "${ABL_CASES:-decode,prefill}" 2>&1 | tee "$OUT/pallas_ablation.log" | grep -v "^  (CUPTI" ;;
     pallas-ncu) ncu_cases pallas sparse_mla_kernel pncu sass sass "|Shared Memory" ;;
+    install-tests) run timeout 560 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_install_gpu.py 2>&1 | tee "$OUT/install_tests.log" | tail -40 ;;
     pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
     model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
     bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} ${BENCH_FLAGS:-} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
