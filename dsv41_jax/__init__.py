@@ -5,8 +5,8 @@ reference (`impl="xla"`), Pallas Mosaic GPU kernels (`impl="pallas"`) and CUDA k
 XLA FFI (`impl="cuda"`). Everything public is importable from this module.
 """
 
-from dsv41_jax import (attention, backends, buckets, config, kv_cache, layer_types, metadata, plans, reference, rope,
-                       scheduler)
+from dsv41_jax import (attention, backends, buckets, config, hf_config, kv_cache, layer_types, metadata, plans,
+                       reference, rope, scheduler)
 from dsv41_jax.attention import (
     DecodeCall,
     PrefillCall,
@@ -36,6 +36,7 @@ from dsv41_jax.config import (
     V4_FLASH,
     V41_FLASH,
     DeepseekV4AttentionConfig,
+    HFConfigKeys,
     LayerRole,
     RopeScaling,
     get_preset,
