@@ -5,7 +5,7 @@ reference (`impl="xla"`), Pallas Mosaic GPU kernels (`impl="pallas"`) and CUDA k
 XLA FFI (`impl="cuda"`). Everything public is importable from this module.
 """
 
-from dsv41_jax import (attention, backends, buckets, config, hf_config, kv_cache, layer_types, metadata, plans,
+from dsv41_jax import (attention, backends, buckets, checkpoint, config, hf_config, kv_cache, layer_types, metadata, plans,
                        reference, rope, scheduler)
 from dsv41_jax.attention import (
     DecodeCall,
