@@ -81,6 +81,7 @@ def seqs():
 SCHEDULE = [(13, 6), (9, 7), (1, 1), (1, 1), (3, 2), (3, 3), (1, 1), (2, 3), (7, 0)]
 
 
+@pytest.mark.slow
 def test_engine_matches_dense_bf16(model, seqs):
     eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
                                               kv_format="bf16", impl="xla", num_speculative_tokens=2,
@@ -94,6 +95,7 @@ def test_engine_matches_dense_bf16(model, seqs):
         assert (g.argmax(-1) == ref.argmax(-1)).mean() > 0.95
 
 
+@pytest.mark.slow
 def test_engine_matches_dense_fp8_within_quantisation(model, seqs):
     eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
                                               kv_format="fp8_ds_mla", impl="xla", num_speculative_tokens=2,
@@ -126,6 +128,7 @@ def backend_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+@pytest.mark.slow
 def test_generate_never_compiles_after_warmup(model):
     # 2 requests, chunks of 8, 16 tokens a step: one token bucket; sequences up to 48 cross every
     # block-table bucket: SWA 4 -> 8 pages at 33 tokens, ratio-1 4 -> 8 -> 16 at 17 and 33, ratio-2 4 -> 8 at 34
