@@ -91,8 +91,8 @@ def _from_index(index: str) -> Checkpoint:
         shards.setdefault(os.path.join(root, shard), []).append(name)
     absent = [f for f in shards if not os.path.isfile(f)]
     if absent:
-        raise ValueError("checkpoint index " + repr(index) + " names shards that do not exist: "
-                         + "; ".join(f"{f} (for {len(shards[f])} tensors: {_join_names(shards[f], 3)})" for f in absent))
+        listed = "; ".join(f"{f} (for {len(shards[f])} tensors: {_join_names(shards[f], 3)})" for f in absent)
+        raise ValueError(f"checkpoint index {index!r} names shards that do not exist: {listed}")
     tensors: dict[str, TensorInfo] = {}
     problems = []
     for f, names in shards.items():

@@ -462,8 +462,9 @@ class InferenceEngine:
                 raise ValueError(f"request {rid} has {len(req['tokens']) - start} unprocessed tokens, asked for {n}")
             if n > lim.max_tokens_per_req:
                 raise ValueError(f"request {rid} feeds {n} tokens in one step, more than the engine's "
-                                 f"{lim.max_tokens_per_req} per request (EngineConfig.prefill_chunk={ecfg.prefill_chunk}, "
-                                 f"num_speculative_tokens={ecfg.num_speculative_tokens}, max_model_len={ecfg.max_model_len})")
+                                 f"{lim.max_tokens_per_req} per request (EngineConfig.prefill_chunk="
+                                 f"{ecfg.prefill_chunk}, num_speculative_tokens={ecfg.num_speculative_tokens}, "
+                                 f"max_model_len={ecfg.max_model_len})")
             if start + n > lim.max_model_len:
                 raise ValueError(f"sequence length {start + n} exceeds max_model_len {lim.max_model_len}")
         total = sum(n for _, n in feeds)
@@ -538,8 +539,8 @@ class InferenceEngine:
             out[rid] = logits[off : off + n]
             self.requests[rid]["done"] += n
             off += n
-        timing = StepTiming(kind=kind, num_tokens=off, shape=shape, host_s=(t1 - t0 - compile_s) + (time.perf_counter() - t2),
-                            device_s=t2 - t1)
+        host_s = (t1 - t0 - compile_s) + (time.perf_counter() - t2)
+        timing = StepTiming(kind=kind, num_tokens=off, shape=shape, host_s=host_s, device_s=t2 - t1)
         self.last_step = timing
         return out, timing
 
@@ -582,7 +583,8 @@ class InferenceEngine:
         for i, p in enumerate(prompts):
             if len(p) + max(max_new_tokens - 1, 0) > lim.max_model_len:
                 raise ValueError(f"prompt {i} ({len(p)} tokens) with {max_new_tokens} new tokens needs "
-                                 f"{len(p) + max_new_tokens - 1} positions, more than max_model_len {lim.max_model_len}")
+                                 f"{len(p) + max_new_tokens - 1} positions, more than max_model_len "
+                                 f"{lim.max_model_len}")
         warm = None if self.is_warm else self.warmup()
         rids = [self.add_request(p) for p in prompts]
         outs: dict[int, list[int]] = {r: [] for r in rids}

@@ -812,5 +812,6 @@ _VARIANTS = {
                 _SPLIT_SCRIPT),
     "producer": (("DSV41_EXP_NO_WG1_ADDR", "DSV41_EXP_WG0_PV_LATE"), _WG1_ADDR_SCRIPT),
 }
-_VARIANT_TESTS = {"test_emulator_catches_planted_pair_bugs": "plant", "test_emulated_flipped_consumer_shapes": "flipped",
+_VARIANT_TESTS = {"test_emulator_catches_planted_pair_bugs": "plant",
+                  "test_emulated_flipped_consumer_shapes": "flipped",
                   "test_emulated_decode_producer_addresses": "producer"}

@@ -225,13 +225,13 @@ def test_weights_roundtrip_and_errors(model, tmp_path):
     bad = dict(a)
     bad["model.layers.0.self_attn.wq_a.weight"] = np.zeros((3, 3), np.float32)
     save_file(bad, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(ValueError, match=r"mis-shaped tensor model.layers.0.self_attn.wq_a.weight in .*bad.safetensors: "
-                                         r"expected shape \(64, 128\), got \(3, 3\)"):
+    with pytest.raises(ValueError, match=r"mis-shaped tensor model.layers.0.self_attn.wq_a.weight in "
+                                         r".*bad.safetensors: expected shape \(64, 128\), got \(3, 3\)"):
         weights.load_safetensors(other, str(tmp_path / "bad.safetensors"))
     extra = dict(a)
     extra["model.layers.9.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
     save_file(extra, str(tmp_path / "extra.safetensors"))
-    with pytest.raises(ValueError, match="unexpected tensors .*model.layers.9.mlp.up_proj.weight in .*extra.safetensors"):
+    with pytest.raises(ValueError, match="unexpected tensors .*model.layers.9.mlp.up_proj.weight in .*extra"):
         weights.load_safetensors(other, str(tmp_path / "extra.safetensors"))
     weights.load_safetensors(other, str(tmp_path / "extra.safetensors"), strict=False)
     with pytest.raises(ValueError, match="does not exist"):
@@ -254,7 +254,8 @@ def test_sharded_checkpoint_through_its_index(model, tmp_path):
     files = weights.save_safetensors(model, ckpt, max_shard_size="1MB")
     index = ckpt / "model.safetensors.index.json"
     shards = sorted(f for f in files if f.endswith(".safetensors"))
-    assert str(index) in files and len(shards) > 3 and shards[0].endswith(f"model-00001-of-{len(shards):05d}.safetensors")
+    assert str(index) in files and len(shards) > 3
+    assert shards[0].endswith(f"model-00001-of-{len(shards):05d}.safetensors")
     imap = json.loads(index.read_text())
     a = weights.hf_state_dict(model)
     assert set(imap["weight_map"]) == set(a) and imap["metadata"]["total_size"] == sum(v.nbytes for v in a.values())
@@ -281,7 +282,8 @@ def test_sharded_checkpoint_through_its_index(model, tmp_path):
     held = {k: v for k, v in a.items() if imap["weight_map"][k] == shard.name and k != name}
     save_file(held, str(shard))
     index.write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match=f"missing tensors \\(1\\), looked for in the weight_map of .*{index.name}: {name}"):
+    with pytest.raises(ValueError, match=f"missing tensors \\(1\\), looked for in the weight_map of .*{index.name}: "
+                                         f"{name}"):
         weights.load_safetensors(other, ckpt)
     # a mis-shaped tensor names its shard
     save_file({**held, name: np.zeros((2, 2), np.float32)}, str(shard))

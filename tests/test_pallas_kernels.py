@@ -160,8 +160,8 @@ class _Worker:
 @pytest.fixture(scope="module", autouse=True)
 def interpret_worker(request):
     """The worker, running the interpret cases whose tests are selected (none: no worker)."""
-    names = [it.callspec.params["name"] for it in request.session.items
-             if getattr(it, "module", None) is request.module and getattr(it, "originalname", "") == "test_interpret_matches_oracle"]
+    names = [it.callspec.params["name"] for it in request.session.items if getattr(it, "module", None) is request.module
+             and getattr(it, "originalname", "") == "test_interpret_matches_oracle"]
     w = _Worker(names) if names else None
     yield w
     if w is not None and w.proc.poll() is None:
