@@ -5,8 +5,8 @@ reference (`impl="xla"`), Pallas Mosaic GPU kernels (`impl="pallas"`) and CUDA k
 XLA FFI (`impl="cuda"`). Everything public is importable from this module.
 """
 
-from dsv41_jax import (attention, backends, buckets, config, kv_cache, layer_types, metadata, plans, reference, rope,
-                       scheduler)
+from dsv41_jax import (attention, backends, buckets, checkpoint, config, engine_stats, envelope, hf_config, kv_cache,
+                       layer_types, metadata, plans, reference, rope, scheduler)
 from dsv41_jax.attention import (
     DecodeCall,
     ImplCandidate,
@@ -33,12 +33,16 @@ from dsv41_jax.backends import (
     select_backend,
 )
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
+from dsv41_jax.checkpoint import open_checkpoint
+from dsv41_jax.engine_stats import GenerateStats, StepTiming, WarmupStats
+from dsv41_jax.envelope import ServingLimits, StepShape, envelope_shapes
 from dsv41_jax.config import (
     PRESETS,
     TINY,
     V4_FLASH,
     V41_FLASH,
     DeepseekV4AttentionConfig,
+    HFConfigKeys,
     LayerRole,
     RopeScaling,
     get_preset,

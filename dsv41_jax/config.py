@@ -1,7 +1,10 @@
-"""Frozen configuration of DeepSeek-V4 / V4.1 attention, built from a Hugging Face style dict.
+"""Frozen configuration of DeepSeek-V4 / V4.1 attention, built from a Hugging Face config.
 
-`DeepseekV4AttentionConfig.from_hf_config(d)` validates every field it reads and raises
-`ValueError` / `TypeError` naming the key, the expected and the actual value. `layer_role(i)`
+`DeepseekV4AttentionConfig.from_hf_config(source)` takes a flat dict, the composite form (fields under
+`text_config`), a path to a `config.json` or a `transformers` config object (`dsv41_jax.hf_config`); it
+validates every field it reads and raises `ValueError` / `TypeError` naming the key, the expected and the
+actual value, and logs the keys it used and ignored on the `dsv41_jax.config` logger (INFO);
+`from_hf_config_with_keys` returns them. `layer_role(i)`
 resolves a layer's part in the cache-sharing topology (which kv-source layer's compressed
 cache it reads, which index-source layer's top-k it uses, whether it owns either).
 
@@ -13,14 +16,17 @@ assumes V4-Flash's (rope_theta 10000, compress_rope_theta 160000, YaRN factor 16
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dsv41_jax.hf_config import TEXT_CONFIG, HFConfigKeys, KeyRecorder, resolve_hf_config
 from dsv41_jax.layer_types import deepseek_v40_layer_type, deepseek_v41_layer_type
 
 __all__ = [
     "DeepseekV4AttentionConfig",
+    "HFConfigKeys",
     "LayerRole",
     "RopeScaling",
     "V41_FLASH",
@@ -29,6 +35,8 @@ __all__ = [
     "PRESETS",
     "get_preset",
 ]
+
+_log = logging.getLogger(__name__)
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -161,14 +169,35 @@ class DeepseekV4AttentionConfig:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_hf_config(cls, d: Mapping[str, Any]) -> "DeepseekV4AttentionConfig":
-        """Build and validate from a Hugging Face `config.json` dict (V4.0 or V4.1).
+    def from_hf_config(cls, source: Any) -> "DeepseekV4AttentionConfig":
+        """Build and validate from a Hugging Face config (V4.0 or V4.1).
 
-        The version is `d["dsv4_version"]` if given, else "v4.1" when the dict carries
-        `kv_source_layer_ids` or only ratios in {0, 1, 2}, else "v4.0".
+        `source`: a flat dict, a composite dict with the fields under `text_config`, a path to a
+        `config.json` (or its directory), or an object with `to_dict()` such as a `transformers` config.
+        The version is `dsv4_version` if given, else "v4.1" when the fields carry
+        `kv_source_layer_ids` or only ratios in {0, 1, 2}, else "v4.0". The keys used and ignored are
+        logged at INFO on the `dsv41_jax.config` logger; `from_hf_config_with_keys` returns them.
         """
-        if not isinstance(d, Mapping):
-            raise TypeError(f"config must be a mapping, got {type(d).__name__}")
+        cfg, keys = cls.from_hf_config_with_keys(source)
+        if _log.isEnabledFor(logging.INFO):
+            _log.info("config from %s: used %d keys %s; ignored %d keys %s", keys.source, len(keys.used),
+                      list(keys.used), len(keys.ignored), list(keys.ignored))
+        return cfg
+
+    @classmethod
+    def from_hf_config_with_keys(cls, source: Any) -> tuple["DeepseekV4AttentionConfig", HFConfigKeys]:
+        """`from_hf_config`, also returning which keys of `source` it used and which it ignored."""
+        fields, top_ignored, composite, name = resolve_hf_config(source)
+        rec = KeyRecorder(fields)
+        nested_ignored: list[str] = []
+        cfg = cls._from_fields(rec, nested_ignored)
+        prefix = f"{TEXT_CONFIG}." if composite else ""
+        used = tuple(prefix + k for k in rec.used)
+        ignored = top_ignored + tuple(prefix + k for k in sorted(rec.ignored + tuple(nested_ignored)))
+        return cfg, HFConfigKeys(used=used, ignored=ignored, composite=composite, source=name)
+
+    @classmethod
+    def _from_fields(cls, d: Mapping[str, Any], nested_ignored: list[str]) -> "DeepseekV4AttentionConfig":
         ratios = _int_list(d, "compress_ratios", ())
         version = d.get("dsv4_version")
         if version is None:
@@ -214,7 +243,7 @@ class DeepseekV4AttentionConfig:
             index_head_dim=_req(d, "index_head_dim", int),
             rope_theta=_typed("rope_theta", d.get("rope_theta", 10000.0), float),
             compress_rope_theta=_typed("compress_rope_theta", d.get("compress_rope_theta", 160000.0), float),
-            rope_scaling=_parse_rope_scaling(d.get("rope_scaling")),
+            rope_scaling=_parse_rope_scaling(d.get("rope_scaling"), nested_ignored),
             rms_norm_eps=_typed("rms_norm_eps", d.get("rms_norm_eps", 1e-6), float),
             vocab_size=_typed("vocab_size", d.get("vocab_size", 129280), int),
             intermediate_size=_typed("intermediate_size", d.get("intermediate_size", 4 * d.get("hidden_size", 1)), int),
@@ -223,8 +252,11 @@ class DeepseekV4AttentionConfig:
         cfg.validate()
         return cfg
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """The inverse of `from_hf_config` (round-trips exactly)."""
+    def to_hf_config(self, *, composite: bool = False) -> dict[str, Any]:
+        """The inverse of `from_hf_config` (round-trips exactly): the flat form, or with `composite`
+        the fields under `text_config`."""
+        if composite:
+            return {TEXT_CONFIG: self.to_hf_config()}
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["dsv4_version"] = out.pop("version")
         rs = self.rope_scaling
@@ -385,15 +417,29 @@ def _latest_at_or_before(ids: Sequence[int], layer: int) -> int | None:
     return best
 
 
-def _parse_rope_scaling(rs: Any) -> RopeScaling:
+def _parse_rope_scaling(rs: Any, ignored: list[str]) -> RopeScaling:
+    """The YaRN settings of `rs`; appends the keys inside `rs` it does not use to `ignored`."""
     if rs is None:
         return RopeScaling()
     if not isinstance(rs, Mapping):
         raise TypeError(f"config key 'rope_scaling' must be a dict or None, got {type(rs).__name__}")
+    prefix = "rope_scaling."
     if "compress" in rs or "main" in rs:  # V4.1 nested form: only compressed layers use YaRN
+        ignored += [prefix + k for k in sorted(rs) if k != "compress"]
+        prefix += "compress."
         rs = rs.get("compress") or {}
-        if not rs:
-            return RopeScaling()
+        if not isinstance(rs, Mapping):
+            raise TypeError(f"config key 'rope_scaling.compress' must be a dict, got {type(rs).__name__}")
+    rec = KeyRecorder(rs)
+    try:
+        return _yarn(rec)
+    finally:
+        ignored += [prefix + k for k in rec.ignored]
+
+
+def _yarn(rs: Mapping[str, Any]) -> RopeScaling:
+    if not rs:
+        return RopeScaling()
     kind = rs.get("type", rs.get("rope_type", "yarn"))
     if kind not in ("yarn", "default"):
         raise ValueError(f"config key 'rope_scaling.type' must be 'yarn' or 'default', got {kind!r}")

@@ -1,9 +1,18 @@
 """A paged inference engine for `DeepseekV41Model` under `jax.jit`.
 
 Host side (Python): requests, page allocation, scheduling of prefill chunks and decode steps,
-padding into buckets (`make_common_attention_metadata`), greedy sampling. Device side: one pure,
-jitted step per bucket, `step(params, caches, inputs) -> (logits, caches)`, with the caches donated
-so a step updates them in place.
+padding into buckets (`make_common_attention_metadata`), greedy sampling. Device side: one pure
+step, `step(params, caches, inputs) -> (logits, caches)`, compiled once per step shape with the
+caches donated so a step updates them in place.
+
+Compilation happens ahead of time, never inside `generate`: the engine's limits (`EngineConfig`:
+max_reqs, max_model_len, prefill_chunk, max_num_batched_tokens) map through the bucket policy to
+the envelope of step shapes it can meet (`dsv41_jax.envelope`), and `warmup()` lowers and
+compiles each (`jax.jit(...).lower(...).compile()`), keeping the executables by shape. `generate`
+warms a cold engine up first and reports that apart (`GenerateStats.warmup`); its steps run
+compiled executables only. `step()` on a cold engine compiles the one shape it needs. A step
+outside the limits is a `ValueError` naming the limit. Every step's host and device time is
+recorded (`dsv41_jax.engine_stats`).
 
 Caches (one set per engine):
 - every layer has a paged SWA cache in `kv_format` (page `block_size` tokens);
@@ -28,6 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import sys
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -41,6 +53,8 @@ from dsv41_jax import attention as _ops
 from dsv41_jax import sharding
 from dsv41_jax.backends import canonical_kv_cache_dtype
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
+from dsv41_jax.engine_stats import GenerateStats, StepTiming, WarmupStats
+from dsv41_jax.envelope import ServingLimits, StepShape, envelope_shapes, step_shape
 from dsv41_jax.model import RopeTables, decoder_tail, index_keys, make_rope_tables, run_indexer
 from dsv41_jax.nn import DeepseekV41Model
 from dsv41_jax.rope import apply_inverse_rope, apply_rope
@@ -48,6 +62,7 @@ from dsv41_jax.rope import apply_inverse_rope, apply_rope
 __all__ = ["EngineConfig", "InferenceEngine", "StepInputs"]
 
 _F32 = jnp.float32
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +81,35 @@ class EngineConfig:
     buckets: BucketPolicy = DEFAULT_BUCKETS
     mesh: jax.sharding.Mesh | None = None  # heads of the attention split over `head_axis`
     head_axis: str = "tp"
+    prefill_chunk: int | None = None  # most tokens of one request in one step; default: max_model_len
+    max_num_batched_tokens: int | None = None  # most tokens in one step; default: max_reqs * per-request limit
 
     def __post_init__(self):
         for k in ("max_model_len", "max_reqs", "block_size", "comp_block_size"):
             v = getattr(self, k)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"EngineConfig.{k} must be a positive int, got {v!r}")
+        for k in ("prefill_chunk", "max_num_batched_tokens"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"EngineConfig.{k} must be a positive int or None, got {v!r}")
+        need = self.max_reqs * (1 + self.num_speculative_tokens)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < need:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must hold a decode "
+                             f"step of every request: >= max_reqs * (1 + num_speculative_tokens) = {need}")
         for k in ("kv_format", "comp_kv_format"):
             v = getattr(self, k)
             if v is not None:
                 canonical_kv_cache_dtype(v)
+
+    @property
+    def limits(self) -> ServingLimits:
+        """What the engine serves: a request feeds at most `prefill_chunk` tokens per step (at least
+        1 + num_speculative_tokens, at most max_model_len), a step holds at most `max_num_batched_tokens`."""
+        chunk = self.max_model_len if self.prefill_chunk is None else self.prefill_chunk
+        per_req = min(self.max_model_len, max(chunk, 1 + self.num_speculative_tokens))
+        per_step = self.max_num_batched_tokens or self.max_reqs * per_req
+        return ServingLimits(self.max_reqs, self.max_model_len, per_req, per_step)
 
     @property
     def comp_format(self) -> str:
@@ -319,7 +353,60 @@ class InferenceEngine:
         self.requests: dict[int, dict] = {}
         self._next_id = 0
         self._fn = jax.jit(functools.partial(_step, self.graphdef, ecfg=config), donate_argnums=(1,))
-        self.compiled_shapes: set = set()
+        self.limits = config.limits
+        self.envelope: tuple[StepShape, ...] = envelope_shapes(
+            config.buckets, self.limits, block_size=config.block_size, comp_block_size=config.comp_block_size,
+            ratios=self.ratios)
+        self._envelope_set = frozenset(self.envelope)
+        self._executables: dict[StepShape, jax.stages.Compiled] = {}
+        self.warmup_stats: WarmupStats | None = None
+        self.last_step: StepTiming | None = None
+        self.last_generate_stats: GenerateStats | None = None
+
+    # ------------------------------------------------------------------ compilation
+    @property
+    def compiled_shapes(self) -> frozenset[StepShape]:
+        """The step shapes compiled so far."""
+        return frozenset(self._executables)
+
+    @property
+    def is_warm(self) -> bool:
+        """Whether every shape of the envelope is compiled."""
+        return self._envelope_set <= self._executables.keys()
+
+    def _dummy_inputs(self, shape: StepShape) -> StepInputs:
+        """An empty batch padded to `shape`, built like `prepare`'s inputs (same types and placement)."""
+        cm = md.make_common_attention_metadata([], [], [], [], buckets=self.ecfg.buckets, num_tokens=shape.tokens,
+                                               num_reqs=shape.reqs, num_blocks=shape.blocks)
+        cbt = {r: jnp.asarray(np.full((shape.reqs, w), -1, np.int32)) for r, w in shape.comp_blocks}
+        return StepInputs(jnp.asarray(np.zeros(shape.tokens, np.int32)), cm, cbt,
+                          jnp.asarray(np.zeros(shape.reqs, np.int32)))
+
+    def _compile(self, shape: StepShape) -> jax.stages.Compiled:
+        exe = self._fn.lower(self.params, self.caches, self._dummy_inputs(shape), self.tables).compile()
+        self._executables[shape] = exe
+        return exe
+
+    def warmup(self, *, progress: bool = True) -> WarmupStats:
+        """Compile every step shape of the envelope not compiled yet; returns (and keeps in `warmup_stats`)
+        the count and seconds. Each shape logs a line on the `dsv41_jax.engine` logger (INFO) and, with
+        `progress`, on stderr."""
+        todo = [sh for sh in self.envelope if sh not in self._executables]
+        t0 = time.perf_counter()
+        per = []
+        for i, shape in enumerate(todo):
+            ts = time.perf_counter()
+            self._compile(shape)
+            dt = time.perf_counter() - ts
+            per.append((shape, dt))
+            line = f"warm-up [{i + 1}/{len(todo)}] {shape}: compiled in {dt:.1f} s"
+            _log.info(line)
+            if progress:
+                print(line, file=sys.stderr, flush=True)
+        stats = WarmupStats(num_compiled=len(todo), num_shapes=len(self.envelope), seconds=time.perf_counter() - t0,
+                            per_shape=tuple(per))
+        self.warmup_stats = stats
+        return stats
 
     # ------------------------------------------------------------------ request bookkeeping
     def add_request(self, prompt: Sequence[int]) -> int:
@@ -359,20 +446,53 @@ class InferenceEngine:
         """Host side of a step: order the feeds decodes first, allocate pages, pad into buckets.
 
         `feeds`: (request id, number of its next known tokens to process). Returns the device
-        inputs and the feeds in the order their tokens are packed.
+        inputs and the feeds in the order their tokens are packed. Raises ValueError naming the
+        limit (`EngineConfig.prefill_chunk`, `max_num_batched_tokens`, `max_model_len`) a step
+        would pass.
         """
-        feeds = [(rid, n) for rid, n in feeds if n > 0]
-        order = md.reorder_decodes_first([n for _, n in feeds], decode_threshold=self.decode_threshold)
-        feeds = [feeds[i] for i in order]
-        qlens, seqs, bts, slots, toks, rows, cbts = [], [], [], [], [], [], {r: [] for r in self.ratios}
+        inp, feeds, _ = self._prepare(feeds)
+        return inp, feeds
+
+    def _check_limits(self, feeds: Sequence[tuple[int, int]]) -> None:
+        lim, ecfg = self.limits, self.ecfg
         for rid, n in feeds:
             req = self.requests[rid]
             start = req["done"]
             if start + n > len(req["tokens"]):
                 raise ValueError(f"request {rid} has {len(req['tokens']) - start} unprocessed tokens, asked for {n}")
+            if n > lim.max_tokens_per_req:
+                raise ValueError(f"request {rid} feeds {n} tokens in one step, more than the engine's "
+                                 f"{lim.max_tokens_per_req} per request (EngineConfig.prefill_chunk="
+                                 f"{ecfg.prefill_chunk}, num_speculative_tokens={ecfg.num_speculative_tokens}, "
+                                 f"max_model_len={ecfg.max_model_len})")
+            if start + n > lim.max_model_len:
+                raise ValueError(f"sequence length {start + n} exceeds max_model_len {lim.max_model_len}")
+        total = sum(n for _, n in feeds)
+        if total > lim.max_tokens_per_step:
+            raise ValueError(f"a step of {total} tokens exceeds the engine's {lim.max_tokens_per_step} per step "
+                             f"(EngineConfig.max_num_batched_tokens={ecfg.max_num_batched_tokens}, "
+                             f"max_reqs={ecfg.max_reqs})")
+
+    def _prepare(self, feeds: Sequence[tuple[int, int]]) -> tuple[StepInputs, list[tuple[int, int]], StepShape]:
+        feeds = [(rid, n) for rid, n in feeds if n > 0]
+        self._check_limits(feeds)
+        order = md.reorder_decodes_first([n for _, n in feeds], decode_threshold=self.decode_threshold)
+        feeds = [feeds[i] for i in order]
+        ecfg = self.ecfg
+        bp = ecfg.buckets
+        shape = step_shape(bp, num_tokens=sum(n for _, n in feeds), num_reqs=len(feeds),
+                           max_seq_len=max([self.requests[rid]["done"] + n for rid, n in feeds] + [0]),
+                           block_size=ecfg.block_size, comp_block_size=ecfg.comp_block_size, ratios=self.ratios)
+        if shape not in self._envelope_set:
+            raise ValueError(f"step shape ({shape}) is outside the engine's envelope of {len(self.envelope)} shapes "
+                             f"for its limits {self.limits}")
+        qlens, seqs, bts, slots, toks, rows, cbts = [], [], [], [], [], [], {r: [] for r in self.ratios}
+        for rid, n in feeds:
+            req = self.requests[rid]
+            start = req["done"]
             self._ensure_pages(req, start + n)
             pg = req["pages"]["swa"]
-            bs = self.ecfg.block_size
+            bs = ecfg.block_size
             slots += [pg[p // bs] * bs + p % bs for p in range(start, start + n)]
             toks += req["tokens"][start : start + n]
             qlens.append(n)
@@ -381,12 +501,11 @@ class InferenceEngine:
             rows.append(req["row"])
             for r in self.ratios:
                 cbts[r].append(req["pages"][r])
-        bp = self.ecfg.buckets
-        cm = md.make_common_attention_metadata(qlens, seqs, bts, slots, buckets=bp)
-        R, T = cm.padded_num_reqs, cm.padded_num_tokens
+        cm = md.make_common_attention_metadata(qlens, seqs, bts, slots, buckets=bp, num_tokens=shape.tokens,
+                                               num_reqs=shape.reqs, num_blocks=shape.blocks)
+        R, T = shape.reqs, shape.tokens
         cbt_arr = {}
-        for r in self.ratios:
-            width = bp.blocks(max([len(b) for b in cbts[r]] + [1]))
+        for r, width in shape.comp_blocks:
             a = np.full((R, width), -1, np.int32)
             for i, b in enumerate(cbts[r]):
                 a[i, : len(b)] = b
@@ -395,23 +514,41 @@ class InferenceEngine:
         tok[: len(toks)] = toks
         ring_rows = np.zeros(R, np.int32)
         ring_rows[: len(rows)] = rows
-        return StepInputs(jnp.asarray(tok), cm, cbt_arr, jnp.asarray(ring_rows)), feeds
+        return StepInputs(jnp.asarray(tok), cm, cbt_arr, jnp.asarray(ring_rows)), feeds, shape
 
-    def step(self, feeds: Sequence[tuple[int, int]]) -> dict[int, np.ndarray]:
-        """Run one step (see `prepare`). Returns each request's logits float32 `[n, vocab]` for the
-        tokens it processed."""
-        inp, feeds = self.prepare(feeds)
-        cm, cbt_arr = inp.common, inp.comp_block_tables
-        self.compiled_shapes.add((cm.padded_num_tokens, cm.padded_num_reqs, cm.block_table.shape[1])
-                                 + tuple(a.shape[1] for a in cbt_arr.values()))
-        logits, self.caches = self._fn(self.params, self.caches, inp, self.tables)
+    def _run_step(self, feeds: Sequence[tuple[int, int]], kind: str,
+                  host_start: float | None = None) -> tuple[dict[int, np.ndarray], StepTiming]:
+        """One step and its timing; host time counts from `host_start` (default: now)."""
+        t0 = time.perf_counter() if host_start is None else host_start
+        inp, feeds, shape = self._prepare(feeds)
+        exe = self._executables.get(shape)
+        compile_s = 0.0
+        if exe is None:
+            _log.info("compiling step shape (%s) on demand: warmup() compiles the envelope's %d shapes ahead of time",
+                      shape, len(self.envelope))
+            tc = time.perf_counter()
+            exe = self._compile(shape)
+            compile_s = time.perf_counter() - tc
+        t1 = time.perf_counter()
+        logits, self.caches = exe(self.params, self.caches, inp, self.tables)
+        jax.block_until_ready((logits, self.caches))
+        t2 = time.perf_counter()
         logits = np.asarray(logits)
         out, off = {}, 0
         for rid, n in feeds:
             out[rid] = logits[off : off + n]
             self.requests[rid]["done"] += n
             off += n
-        return out
+        host_s = (t1 - t0 - compile_s) + (time.perf_counter() - t2)
+        timing = StepTiming(kind=kind, num_tokens=off, shape=shape, host_s=host_s, device_s=t2 - t1)
+        self.last_step = timing
+        return out, timing
+
+    def step(self, feeds: Sequence[tuple[int, int]]) -> dict[int, np.ndarray]:
+        """Run one step (see `prepare`). Returns each request's logits float32 `[n, vocab]` for the
+        tokens it processed; its timing is in `last_step`. A cold engine compiles the step's shape first."""
+        kind = "decode" if all(n <= self.decode_threshold for _, n in feeds) else "prefill"
+        return self._run_step(feeds, kind)[0]
 
     def generate(
         self,
@@ -420,35 +557,65 @@ class InferenceEngine:
         *,
         prefill_chunk: int | None = None,
         on_step: Callable[[int, int], None] | None = None,
-    ) -> list[list[int]]:
+        return_stats: bool = False,
+    ) -> list[list[int]] | tuple[list[list[int]], GenerateStats]:
         """Greedy generation: chunked prefill of every prompt, then one token per request per step.
 
+        Prefill steps give each request up to `prefill_chunk` tokens (default and at most the engine's
+        `EngineConfig.prefill_chunk`) within the `max_num_batched_tokens` of a step. A cold engine is
+        warmed up first (`warmup()`, progress on stderr); the steps themselves run compiled executables
+        only. Requests outside the engine's limits (more prompts than free request slots, a prompt plus
+        its new tokens longer than `max_model_len`) are a ValueError before any step.
         `on_step(step_index, tokens_this_step)` is called after each decode step (progress bars).
-        Returns the generated tokens of each prompt.
+        Returns the generated tokens of each prompt, and with `return_stats` also the `GenerateStats`
+        (warm-up, and every step's host and device time), which `last_generate_stats` keeps either way.
         """
+        lim = self.limits
+        chunk = lim.max_tokens_per_req if prefill_chunk is None else prefill_chunk
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 < chunk <= lim.max_tokens_per_req:
+            raise ValueError(f"prefill_chunk must be an int in 1..{lim.max_tokens_per_req} (the engine's per-request "
+                             f"limit, EngineConfig.prefill_chunk={self.ecfg.prefill_chunk}), got {prefill_chunk!r}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if len(prompts) > len(self.free_rows):
+            raise ValueError(f"{len(prompts)} prompts exceed the {len(self.free_rows)} free request slots "
+                             f"(EngineConfig.max_reqs={self.ecfg.max_reqs})")
+        for i, p in enumerate(prompts):
+            if len(p) + max(max_new_tokens - 1, 0) > lim.max_model_len:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) with {max_new_tokens} new tokens needs "
+                                 f"{len(p) + max_new_tokens - 1} positions, more than max_model_len "
+                                 f"{lim.max_model_len}")
+        warm = None if self.is_warm else self.warmup()
         rids = [self.add_request(p) for p in prompts]
         outs: dict[int, list[int]] = {r: [] for r in rids}
         last: dict[int, np.ndarray] = {}
+        steps: list[StepTiming] = []
         try:
-            while True:  # prefill, chunked
-                feeds = []
+            while True:  # prefill, chunked, within the step's token budget
+                t0 = time.perf_counter()
+                feeds, budget = [], lim.max_tokens_per_step
                 for rid in rids:
                     req = self.requests[rid]
-                    left = len(req["tokens"]) - req["done"]
-                    if left:
-                        feeds.append((rid, left if prefill_chunk is None else min(left, prefill_chunk)))
+                    take = min(len(req["tokens"]) - req["done"], chunk, budget)
+                    if take:
+                        feeds.append((rid, take))
+                        budget -= take
                 if not feeds:
                     break
-                for rid, lg in self.step(feeds).items():
+                res, timing = self._run_step(feeds, "prefill", host_start=t0)
+                steps.append(timing)
+                for rid, lg in res.items():
                     last[rid] = lg[-1]
             for i in range(max_new_tokens):
+                t0 = time.perf_counter()
                 for rid in rids:
                     nxt = int(np.argmax(last[rid]))
                     outs[rid].append(nxt)
                     self.requests[rid]["tokens"].append(nxt)
                 if i == max_new_tokens - 1:
                     break
-                res = self.step([(rid, 1) for rid in rids])
+                res, timing = self._run_step([(rid, 1) for rid in rids], "decode", host_start=t0)
+                steps.append(timing)
                 for rid, lg in res.items():
                     last[rid] = lg[-1]
                 if on_step is not None:
@@ -457,4 +624,7 @@ class InferenceEngine:
             for rid in rids:
                 if rid in self.requests:
                     self.finish(rid)
-        return [outs[r] for r in rids]
+        stats = GenerateStats(warmup=warm, steps=tuple(steps))
+        self.last_generate_stats = stats
+        tokens = [outs[r] for r in rids]
+        return (tokens, stats) if return_stats else tokens

@@ -13,22 +13,21 @@ Names (torch layout: a Linear weight is `[out, in]`, the transpose of our `Dense
     model.layers.{i}.self_attn.indexer.{wk,k_norm}.weight              (index sources that are kv sources)
     model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight
 
-`load_safetensors` checks the whole set before touching the model: every expected tensor present,
-every shape right; it raises `ValueError` listing missing, unexpected (with `strict=True`) and
-mis-shaped tensors by name.
+`load_safetensors` reads one file, a directory or a sharded checkpoint through its
+`model.safetensors.index.json` (`dsv41_jax.checkpoint`), and checks the whole set before touching the
+model: every expected tensor present, every shape right; it raises `ValueError` listing missing (and
+where they were looked for), unexpected (with `strict=True`) and mis-shaped tensors by name and file.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-from collections.abc import Iterable
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax.checkpoint import open_checkpoint, write_checkpoint
 from dsv41_jax.nn import DeepseekV41Model
 
 __all__ = ["hf_state_dict", "save_safetensors", "load_safetensors", "hf_names"]
@@ -72,78 +71,70 @@ def hf_state_dict(model: DeepseekV41Model) -> dict[str, np.ndarray]:
     return out
 
 
-def save_safetensors(model: DeepseekV41Model, path: str) -> None:
-    """Write every parameter to one safetensors file in HF names (float32)."""
-    from safetensors.numpy import save_file
+def save_safetensors(model: DeepseekV41Model, path: str | os.PathLike, *,
+                     max_shard_size: int | str | None = None) -> list[str]:
+    """Write every parameter in HF names (float32); returns the files written.
 
-    save_file(hf_state_dict(model), path)
+    Without `max_shard_size`, one file at `path`; with it (bytes, or a size like "5GB"), a directory of
+    shards with `model.safetensors.index.json`, as Hugging Face's `save_pretrained` writes
+    (`dsv41_jax.checkpoint.write_checkpoint`).
+    """
+    return write_checkpoint(hf_state_dict(model), path, max_shard_size=max_shard_size)
 
 
-def _files(path: str | os.PathLike | Iterable[str]) -> list[str]:
-    if isinstance(path, (str, os.PathLike)):
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            index = os.path.join(path, "model.safetensors.index.json")
-            if os.path.exists(index):
-                with open(index) as f:
-                    names = sorted(set(json.load(f)["weight_map"].values()))
-                return [os.path.join(path, n) for n in names]
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if not files:
-                raise ValueError(f"no *.safetensors file in directory {path!r}")
-            return files
-        if not os.path.exists(path):
-            raise ValueError(f"weights file {path!r} does not exist")
-        return [path]
-    return [os.fspath(p) for p in path]
+def _expected(model: DeepseekV41Model) -> dict[str, tuple[tuple, str, tuple[int, ...]]]:
+    """HF name -> (NNX path, conversion, HF shape) of every parameter."""
+    wanted = {}
+    for p, var in _params(model).items():
+        name, kind = _hf_name(p)
+        shape = tuple(var[...].shape)
+        hf_shape = shape[::-1] if kind == "transpose" else ((shape[0] * shape[1], shape[2]) if kind == "wo_a" else shape)
+        wanted[name] = (p, kind, hf_shape)
+    return wanted
 
 
 def load_safetensors(model: DeepseekV41Model, path, *, strict: bool = True) -> DeepseekV41Model:
     """Load HF-named tensors into `model` (in place; returns it).
 
-    `path`: a .safetensors file, a directory (sharded checkpoints with or without
-    `model.safetensors.index.json`), or a list of files. With `strict`, tensors the model does not
-    have are an error too. Values are cast to each parameter's dtype.
+    `path`: a .safetensors file, a directory (its `model.safetensors.index.json`, else its *.safetensors
+    files), an index json, or a list of files (`dsv41_jax.checkpoint.open_checkpoint`). Every tensor is
+    checked before any is read: a `ValueError` names the missing tensors and where they were looked for,
+    the unexpected ones (with `strict`) and the mis-shaped ones, each with its file. Values are cast to
+    each parameter's dtype.
     """
     from safetensors import safe_open
 
     params = _params(model)
-    wanted = {}
-    for p, var in params.items():
-        name, kind = _hf_name(p)
-        shape = tuple(var[...].shape)
-        hf_shape = shape[::-1] if kind == "transpose" else ((shape[0] * shape[1], shape[2]) if kind == "wo_a" else shape)
-        wanted[name] = (p, kind, hf_shape)
-    found: dict[str, tuple[str, tuple]] = {}
-    for f in _files(path):
-        with safe_open(f, framework="numpy") as fh:
-            for k in fh.keys():
-                found[k] = (f, tuple(fh.get_slice(k).get_shape()))
+    wanted = _expected(model)
+    ckpt = open_checkpoint(path)
+    found = ckpt.tensors
     missing = sorted(set(wanted) - set(found))
     unexpected = sorted(set(found) - set(wanted)) if strict else []
-    bad = [f"{n}: expected shape {wanted[n][2]}, got {found[n][1]}" for n in sorted(set(wanted) & set(found))
-           if found[n][1] != wanted[n][2]]
+    bad = [f"{n} in {found[n].file}: expected shape {wanted[n][2]}, got {found[n].shape}"
+           for n in sorted(set(wanted) & set(found)) if found[n].shape != wanted[n][2]]
     if missing or unexpected or bad:
         lines = []
         if missing:
-            lines.append(f"missing tensors ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+            lines.append(f"missing tensors ({len(missing)}), looked for in {ckpt.describe()}: "
+                         + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
         if unexpected:
-            lines.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:20]))
+            lines.append(f"unexpected tensors ({len(unexpected)}; strict=False skips them): "
+                         + ", ".join(f"{n} in {found[n].file}" for n in unexpected[:20])
+                         + (" ..." if len(unexpected) > 20 else ""))
         lines += [f"mis-shaped tensor {b}" for b in bad]
         raise ValueError("cannot load weights:\n  " + "\n  ".join(lines))
-    handles = {}
-    try:
-        for name, (p, kind, _) in wanted.items():
-            f = found[name][0]
-            if f not in handles:
-                handles[f] = safe_open(f, framework="numpy")
-            a = handles[f].get_tensor(name)
-            var = params[p]
-            if kind == "transpose":
-                a = a.T
-            elif kind == "wo_a":
-                a = a.reshape(var[...].shape)
-            var[...] = jnp.asarray(a, var[...].dtype)
-    finally:
-        handles.clear()
+    by_file: dict[str, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(found[name].file, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(f, framework="numpy") as fh:
+            for name in names:
+                p, kind, _ = wanted[name]
+                a = fh.get_tensor(name)
+                var = params[p]
+                if kind == "transpose":
+                    a = a.T
+                elif kind == "wo_a":
+                    a = a.reshape(var[...].shape)
+                var[...] = jnp.asarray(a, var[...].dtype)
     return model

@@ -2,12 +2,15 @@
 
     python examples/generate.py [--preset tiny] [--platform cpu|gpu] [--requests 4] [--max-new-tokens 32]
                                 [--kv-format bf16|fp8_ds_mla] [--impl auto|xla|pallas|cuda]
-                                [--weights model.safetensors] [--prefill-chunk 16]
+                                [--weights model.safetensors|checkpoint-dir] [--prefill-chunk 16]
+                                [--max-batched-tokens 32] [--max-model-len 128]
 
-Builds the model (tiny preset: 7 layers covering every V4.1 layer role), prefills requests of
-different lengths in chunks, then decodes one token per request per step, every step a jitted
-function compiled once per bucket with the caches donated. Prints the generated tokens and the
-decode throughput (tokens/s, compile excluded).
+Builds the model (tiny preset: 7 layers covering every V4.1 layer role) and an engine whose limits are
+the run's (requests, sequence length, prefill chunk, tokens per step), compiles every step shape of
+those limits ahead of time (`warmup`, one progress line per shape on stderr), then prefills requests of
+different lengths in chunks and decodes one token per request per step. Prints the warm-up's count and
+seconds, the generated tokens, and prefill and decode tokens/s with each step's host and device time
+(no compilation happens in the steps).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 
 def main(argv=None) -> int:
@@ -29,7 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "cuda"])
     ap.add_argument("--weights", default=None, help="safetensors file or directory in Hugging Face names")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=128)
+    ap.add_argument("--max-batched-tokens", type=int, default=32, help="most tokens in one step")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu" if args.platform == "cpu" else "cuda,cpu")
 
@@ -48,34 +51,23 @@ def main(argv=None) -> int:
     if args.weights:
         d.load_safetensors(model, args.weights)
         print(f"loaded weights from {args.weights}")
-    engine = d.InferenceEngine(model, d.EngineConfig(max_model_len=args.max_model_len, max_reqs=max(args.requests, 1),
-                                                     kv_format=args.kv_format, impl=args.impl))
+    engine = d.InferenceEngine(model, d.EngineConfig(
+        max_model_len=args.max_model_len, max_reqs=max(args.requests, 1), kv_format=args.kv_format, impl=args.impl,
+        prefill_chunk=args.prefill_chunk, max_num_batched_tokens=max(args.max_batched_tokens, args.requests)))
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(5, 40, args.requests)]
     print(f"{len(prompts)} prompts of lengths {[len(p) for p in prompts]}, {args.kv_format} caches, impl={args.impl}")
 
-    times: list[float] = []
+    ws = engine.warmup()
+    print(f"warm-up: {ws.num_compiled} step shapes compiled in {ws.seconds:.1f} s (before generate, not in the "
+          f"figures below)")
     with Progress(TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
-        task = bar.add_task("decode", total=args.max_new_tokens - 1)
-        last = [time.perf_counter()]
-
-        def on_step(i, n):
-            now = time.perf_counter()
-            times.append(now - last[0])
-            last[0] = now
-            bar.advance(task)
-
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk, on_step=on_step)
-        total = time.perf_counter() - t0
+        task = bar.add_task("decode", total=max(args.max_new_tokens - 1, 0))
+        outs, stats = engine.generate(prompts, args.max_new_tokens, on_step=lambda i, n: bar.advance(task),
+                                      return_stats=True)
     for i, o in enumerate(outs):
         print(f"request {i}: {o[:16]}{' ...' if len(o) > 16 else ''}")
-    warm = times[2:] if len(times) > 4 else times  # the first decode steps compile
-    if warm:
-        tps = len(prompts) / (sum(warm) / len(warm))
-        print(f"decode: {len(times)} steps, {tps:.1f} tokens/s after compilation "
-              f"({1e3 * sum(warm) / len(warm):.1f} ms/step); total {total:.1f} s with {len(engine.compiled_shapes)} "
-              f"step shapes compiled")
+    print(stats.summary())
     return 0
 
 

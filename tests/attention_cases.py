@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax import kv_cache as kvc
+
+# The cache ops jitted: one compilation per case shape, where an eager call compiles each primitive it
+# runs (seconds per new shape; the cases have many shapes).
+_insert = jax.jit(kvc.insert, static_argnames=("fmt", "block_size"))
+_gather = jax.jit(kvc.gather, static_argnames=("fmt", "block_size"))
+
+
+def _f64(x) -> np.ndarray:
+    """float64 copy of a bf16 / f32 array (exact), read on the host."""
+    return np.asarray(x).astype(np.float64)
 
 INT_MIN = np.iinfo(np.int32).min
 INT_MAX = np.iinfo(np.int32).max
@@ -32,7 +43,7 @@ COS_TOL = {"decode_out": 5e-6, "prefill_out": 7e-6}
 
 def assert_close(actual, expected, kind: str, what: str = "") -> None:
     """FlashMLA's comparison: +-inf / NaN positions equal; else abs_err < abs_tol or rel_err < rel_tol."""
-    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    a = _f64(actual)
     e = np.asarray(expected, np.float64)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
     for name, fa, fe in (("nan", np.isnan(a), np.isnan(e)), ("+inf", np.isposinf(a), np.isposinf(e)),
@@ -97,8 +108,7 @@ def oracle_rows(q, pools, scale, sink):
 
 def dequantized_table(cache, fmt: str, block_size: int) -> np.ndarray:
     cap = kvc.cache_capacity(cache, fmt, block_size)
-    rows = kvc.gather(cache, jnp.arange(cap, dtype=jnp.int32), fmt=fmt, block_size=block_size)
-    return np.asarray(rows.astype(jnp.float32), np.float64)
+    return _f64(_gather(cache, np.arange(cap, dtype=np.int32), fmt=fmt, block_size=block_size))
 
 
 # ------------------------------------------------------------------------------ decode cases
@@ -141,7 +151,7 @@ class DecodeCase:
         if self.extra_kv_cache is not None:
             pools.append(pool(self.extra_kv_cache, self.extra_kv_format, self.extra_block_size, self.extra_indices,
                               self.extra_topk_length))
-        q = np.asarray(self.q.astype(jnp.float32), np.float64).reshape(R, h, d)
+        q = _f64(self.q).reshape(R, h, d)
         sink = None if self.attn_sink is None else np.asarray(self.attn_sink, np.float64)
         out, _, lse = oracle_rows(q, pools, self.softmax_scale, sink)
         return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
@@ -153,22 +163,22 @@ class DecodeCase:
         e_out, e_lse = self.expected()
         assert_close(out, e_out, "decode_out", f"{what} out")
         assert_close(lse, e_lse, "decode_lse", f"{what} lse")
-        assert not np.isnan(np.asarray(jnp.asarray(out, jnp.float32))).any(), f"{what}: NaN in out"
+        assert not np.isnan(_f64(out)).any(), f"{what}: NaN in out"
 
 
 def _poisoned_cache(rng, num_blocks, block_size, fmt, n_written):
     """A cache whose every slot is poison (NaN rows / 0xFF bytes) except `n_written` random slots."""
     cap = num_blocks * block_size
     if fmt == "bf16":
-        cache = jnp.full((num_blocks, block_size, 512), jnp.nan, jnp.bfloat16)
+        cache = np.full((num_blocks, block_size, 512), np.nan, jnp.bfloat16)
     else:
-        cache = jnp.full((num_blocks, kvc.page_bytes(fmt, block_size)), 0xFF, jnp.uint8)
+        cache = np.full((num_blocks, kvc.page_bytes(fmt, block_size)), 0xFF, np.uint8)
     written = rng.permutation(cap)[:n_written].astype(np.int32)
     # per-token magnitudes spanning several fp8 scale exponents, up to ~1.6x unit scale: FlashMLA's tolerances
     # assume unit-scale latents (its kernels round P to bf16, whose error grows with |v|)
     mag = np.exp(rng.uniform(-2.5, 0.5, size=(n_written, 1)))
     kv = (rng.standard_normal((n_written, 512)) * mag).astype(np.float32)
-    cache = kvc.insert(cache, jnp.asarray(kv, jnp.bfloat16), jnp.asarray(written), fmt=fmt, block_size=block_size)
+    cache = _insert(cache, jnp.asarray(kv, jnp.bfloat16), written, fmt=fmt, block_size=block_size)
     return cache, written
 
 
@@ -266,10 +276,10 @@ class PrefillCase:
 
     def expected(self):
         s_kv = self.kv.shape[0]
-        table = np.asarray(self.kv.astype(jnp.float32), np.float64)
+        table = _f64(self.kv)
         lens = np.full(self.q.shape[0], self.indices.shape[1]) if self.topk_length is None else np.asarray(self.topk_length)
         sink = None if self.attn_sink is None else np.asarray(self.attn_sink, np.float64)
-        q = np.asarray(self.q.astype(jnp.float32), np.float64)
+        q = _f64(self.q)
         assert table.shape[0] == s_kv
         return oracle_rows(q, [(table, np.asarray(self.indices), lens)], self.softmax_scale, sink)
 
@@ -375,8 +385,8 @@ def make_two_scale_decode_case(seed: int, h_q: int = 8, tiny: bool = False) -> D
         big = rng.random(slots.size) < 0.5
         rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
         rows[big, ::64] = 59904.0
-    cache = kvc.insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), jnp.asarray(slots, jnp.int32),
-                       fmt="fp8_ds_mla", block_size=case.block_size)
+    cache = _insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), slots.astype(np.int32), fmt="fp8_ds_mla",
+                    block_size=case.block_size)
     pages = np.asarray(cache).reshape(cache.shape[0], -1)
     scale_bytes = pages[:, case.block_size * 576:case.block_size * 584].reshape(-1, 8)[:, :7]
     blk, off = np.divmod(slots, case.block_size)

@@ -222,6 +222,76 @@ def test_round_trip_presets(name):
     assert DeepseekV4AttentionConfig.from_hf_config(json.loads(json.dumps(d))) == cfg
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_round_trip_presets_composite(name):
+    cfg = PRESETS[name]
+    d = cfg.to_hf_config(composite=True)
+    assert set(d) == {"text_config"} and d["text_config"] == cfg.to_hf_config()
+    assert DeepseekV4AttentionConfig.from_hf_config(d) == cfg
+    assert DeepseekV4AttentionConfig.from_hf_config(json.loads(json.dumps(d))) == cfg
+
+
+def hf_composite_dict():
+    """A V4.1 config.json in Hugging Face's composite form: the text model's fields under `text_config`,
+    with the keys such a file carries that the attention config has no use for."""
+    text = v41_flash_dict()
+    del text["dsv4_version"]
+    text.update(model_type="deepseek_v4_text", torch_dtype="bfloat16", hidden_act="silu")
+    text["rope_scaling"] = {**text["rope_scaling"], "mscale": 1.0, "mscale_all_dim": 1.0}
+    return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "text_config": text,
+            "transformers_version": "4.99.0"}
+
+
+def test_composite_config_reads_text_config_and_reports_keys():
+    d = hf_composite_dict()
+    cfg, keys = DeepseekV4AttentionConfig.from_hf_config_with_keys(d)
+    assert cfg == V41_FLASH
+    assert keys.composite and keys.source == "dict"
+    assert "text_config.num_hidden_layers" in keys.used and "text_config.rope_scaling" in keys.used
+    assert keys.ignored == ("architectures", "model_type", "transformers_version", "text_config.hidden_act",
+                            "text_config.model_type", "text_config.rope_scaling.mscale",
+                            "text_config.rope_scaling.mscale_all_dim", "text_config.torch_dtype")
+    assert not set(keys.used) & set(keys.ignored)
+    flat, flat_keys = DeepseekV4AttentionConfig.from_hf_config_with_keys(d["text_config"])
+    assert flat == cfg and not flat_keys.composite
+    assert flat_keys.used == tuple(k.removeprefix("text_config.") for k in keys.used)
+    assert "model_type" in flat_keys.ignored and "architectures" not in flat_keys.ignored
+
+
+def test_config_from_path_and_object(tmp_path, caplog):
+    d = hf_composite_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    with caplog.at_level("INFO", logger="dsv41_jax.config"):
+        assert DeepseekV4AttentionConfig.from_hf_config(path) == V41_FLASH  # os.PathLike
+    assert "ignored 8 keys" in caplog.text and "text_config.rope_scaling.mscale" in caplog.text
+    assert DeepseekV4AttentionConfig.from_hf_config(str(path)) == V41_FLASH
+    cfg, keys = DeepseekV4AttentionConfig.from_hf_config_with_keys(str(tmp_path))  # the directory holding it
+    assert cfg == V41_FLASH and keys.source == str(tmp_path)
+
+    class FakeTransformersConfig:  # what transformers.PretrainedConfig offers: to_dict()
+        def to_dict(self):
+            return copy.deepcopy(d)
+
+    assert DeepseekV4AttentionConfig.from_hf_config(FakeTransformersConfig()) == V41_FLASH
+    with pytest.raises(ValueError, match="does not exist"):
+        DeepseekV4AttentionConfig.from_hf_config(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json.*not valid JSON"):
+        DeepseekV4AttentionConfig.from_hf_config(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="'text_config' must be a mapping"):
+        DeepseekV4AttentionConfig.from_hf_config({"text_config": 3})
+    with pytest.raises(ValueError, match="missing required key 'num_hidden_layers'"):
+        DeepseekV4AttentionConfig.from_hf_config({"text_config": {}, "num_hidden_layers": 40})
+
+
+def test_nested_rope_scaling_reports_the_unused_main_entry():
+    d = tiny_dict()
+    d["rope_scaling"] = {"main": {"type": "default"}, "compress": dict(d["rope_scaling"], mscale=0.7)}
+    _, keys = DeepseekV4AttentionConfig.from_hf_config_with_keys(d)
+    assert keys.ignored == ("rope_scaling.compress.mscale", "rope_scaling.main")
+
+
 def test_from_hf_matches_raw_dict():
     d = v41_flash_dict()
     cfg = DeepseekV4AttentionConfig.from_hf_config(copy.deepcopy(d))
@@ -389,7 +459,7 @@ def test_validation_errors_name_the_key(mutate, exc, key):
 
 
 def test_config_must_be_a_mapping():
-    with pytest.raises(TypeError, match="mapping"):
+    with pytest.raises(TypeError, match="mapping, a path to a config.json or an object with to_dict"):
         DeepseekV4AttentionConfig.from_hf_config([("hidden_size", 1)])
 
 

@@ -14,14 +14,20 @@
 4. The device split planner (one warp per plan, run by the emulator) against
    `dsv41_jax.scheduler.plan_decode_splits` bit for bit on many random cases; the decode over a
    plan made in the call, passed in, stale (made from other lengths) or batch-invariant.
+5. Variant emulators (planted synchronisation bugs, experiment builds), each built with its own
+   definitions and run in a fresh interpreter. These builds and runs, and the builds of the two default
+   emulators, run one at a time in a background thread started with the module (`background`), so
+   that they overlap the in-process tests; their tests come last and wait for their results.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -45,6 +51,9 @@ from tests.attention_cases import (
 )
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 # ------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def cuda_lib():
@@ -56,23 +65,82 @@ def cuda_lib():
     return path
 
 
-def _emulator(consumer: str):
+class _Background:
+    """Emulator builds (g++ on one core) and the runs of the variant emulators (subprocesses), one at a time in a
+    thread beside the module's in-process tests, so that they overlap; each test waits for its own job."""
+
+    def __init__(self, jobs: dict):
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._futures = {name: self._pool.submit(fn) for name, fn in jobs.items()}
+
+    def result(self, name: str, fn):
+        """The job's result (re-raising its exception); `fn()` here when the job was not started."""
+        return self._futures[name].result() if name in self._futures else fn()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _build_and_run(defines: tuple[str, ...], script: str, out_dir: Path) -> tuple[int, str]:
+    """Build the emulator with `defines` (none: the default library), run `script` over it in a fresh
+    interpreter; (return code, output)."""
+    lib = cbuild.build_emulator(out_dir=out_dir, defines=defines) if defines else cbuild.build_emulator()
+    r = subprocess.run([sys.executable, "-c", script, str(lib)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return r.returncode, r.stdout + r.stderr
+
+
+def _jobs(items, tmp_path_factory) -> dict:
+    """The background jobs the selected tests of this module need, in the order they are run: the two default
+    emulators first (most tests need them), then the variant builds, whose tests come last in the module."""
+    names = set()
+    for it in items:
+        fixtures = getattr(it, "fixturenames", ())
+        names |= {f for f in ("emu", "emu_mma_sync") if f in fixtures}
+        params = getattr(getattr(it, "callspec", None), "params", {})
+        variant = _VARIANT_TESTS.get(getattr(it, "originalname", ""))
+        if variant == "plant":
+            variant = f"plant{params['plant']}"
+        if variant:
+            names.add(variant)
+    jobs = {}
+    for name in ("emu", "emu_mma_sync", *_VARIANTS):
+        if name not in names:
+            continue
+        if name.startswith("emu"):
+            consumer = "wgmma" if name == "emu" else name.removeprefix("emu_")
+            jobs[name] = functools.partial(cbuild.build_emulator, consumer=consumer)
+        else:
+            defines, script = _VARIANTS[name]
+            jobs[name] = functools.partial(_build_and_run, defines, script, tmp_path_factory.mktemp(name))
+    return jobs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background(request, tmp_path_factory):
+    mine = [it for it in request.session.items if getattr(it, "module", None) is request.module]
+    bg = _Background(_jobs(mine, tmp_path_factory) if cbuild.find_cxx() is not None else {})
+    yield bg
+    bg.close()
+
+
+def _emulator(consumer: str, background: _Background):
     if cbuild.find_cxx() is None:
         pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
     from cuda_ffi import emulate
 
-    return emulate.load(cbuild.build_emulator(consumer=consumer), consumer=consumer)
+    name = "emu" if consumer == "wgmma" else f"emu_{consumer}"
+    return emulate.load(background.result(name, lambda: cbuild.build_emulator(consumer=consumer)), consumer=consumer)
 
 
 @pytest.fixture(scope="module")
-def emu():
-    return _emulator("wgmma")
+def emu(background):
+    return _emulator("wgmma", background)
 
 
 @pytest.fixture(scope="module")
-def emu_mma_sync():
+def emu_mma_sync(background):
     """The emulator built with sm_100a's consumer warps (mma.sync), which sm_90a replaces by wgmma."""
-    return _emulator("mma_sync")
+    return _emulator("mma_sync", background)
 
 
 def _decode_call(case) -> DecodeCall:
@@ -253,37 +321,6 @@ def test_emulated_decode_grid_as_pairs(emu, name):
     _check_decode(make_decode_case(300 + PAIR_GRID_IDS.index(name), **kw), num_sms=16)
 
 
-_PLANT_SCRIPT = '''
-import sys
-import cuda_ffi.emulate as E
-E.load(path=sys.argv[1])
-from tests.attention_cases import make_decode_case
-from tests.test_cuda_ffi import _decode_call
-case = make_decode_case(43, b=2, s_q=2, h_q=128, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="full")
-for seed in (1, 2, 3):
-    case.check(*E.decode_emulated(_decode_call(case), num_sms=4, seed=seed), "planted")
-print("PLANT-OK")
-'''
-
-
-@pytest.mark.parametrize("plant,what", [(0, None), (1, "PFULL wait"), (2, "PEMPTY wait"), (3, "final cluster barrier")])
-def test_emulator_catches_planted_pair_bugs(plant, what, tmp_path):
-    # The emulator's cluster model must make each missing synchronisation of the pair protocol visible
-    # (kernels.cuh DSV41_TEST_PLANT); plant 0 is the unmodified kernel through the same script.
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    lib = cbuild.build_emulator(out_dir=tmp_path, defines=(f"DSV41_TEST_PLANT={plant}",))
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _PLANT_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
-                       timeout=600)
-    out = r.stdout + r.stderr
-    if plant == 0:
-        assert r.returncode == 0 and "PLANT-OK" in out, out[-3000:]
-    else:
-        assert r.returncode != 0 and "PLANT-OK" not in out, f"the emulator missed a removed {what}"
-        assert "emu:" in out or "AssertionError" in out, out[-3000:]
-
-
 _WGMMA_SELFTEST = '''
 import ctypes, sys
 import numpy as np
@@ -303,9 +340,8 @@ def test_emulator_wgmma_model(emu, scenario, tmp_path):
     # The emulator's asynchronous wgmma (emu_main.cc dsv41_emu_wgmma_selftest): commit groups chained on
     # one accumulator, an empty commit group, an operand overwritten in flight, a thread exiting with a
     # group in flight. The kernels only use wait<0> today; these keep the model honest for pipelines.
-    root = Path(__file__).resolve().parents[1]
     o, f = tmp_path / "out.npy", tmp_path / "flags.npy"
-    r = subprocess.run([sys.executable, "-c", _WGMMA_SELFTEST, emu._name, str(scenario), str(o), str(f)], cwd=root,
+    r = subprocess.run([sys.executable, "-c", _WGMMA_SELFTEST, emu._name, str(scenario), str(o), str(f)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     msg = r.stdout + r.stderr
     if scenario == 2:
@@ -327,72 +363,7 @@ def test_emulator_wgmma_model(emu, scenario, tmp_path):
     np.testing.assert_array_equal(np.load(o), expect)
     assert (np.load(f) == (1 if scenario == 0 else 0)).all()
 
-_SPLIT_SCRIPT = '''
-import sys
-import cuda_ffi.emulate as E
-E.load(path=sys.argv[1])
-from tests.attention_cases import make_decode_case, make_prefill_case, make_growing_scores_prefill_case
-from tests.test_cuda_ffi import _decode_call, _prefill_call, PAIR_CASES
-cases = [(make_decode_case(51, b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
-         (make_decode_case(52, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2)]
-cases += [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
-for i, (c, n) in enumerate(cases):
-    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=1 + i), f"split decode {i}")
-for c in (make_prefill_case(32, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf"), make_growing_scores_prefill_case(35)):
-    c.check(E.prefill_emulated(_prefill_call(c)), "split prefill")
-print("SPLIT-OK")
-'''
-
-
-def test_emulated_flipped_consumer_shapes(tmp_path):
-    # The default build gives a pair's decode and prefill the split consumers (warpgroup 0: S, softmax,
-    # O[:, :256]; warpgroup 1: O[:, 256:]) and one CTA's decode the symmetric ones; this emulator flips the
-    # pairs and prefill (DSV41_EXP_DECODE_SYM, DSV41_EXP_NO_WG_SPLIT): symmetric pairs (S split over the
-    # dims, sym_qk_ksplit), single CTAs, split requests, bf16 and fp8, and a symmetric prefill; it also runs prefill's even head groups as 2-CTA pairs (DSV41_EXP_PREFILL_PAIR), and the
-    # pairs send their rows to the peer by lane st.async stores instead of cp.async.bulk (DSV41_EXP_PAIR_ST_ASYNC).
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_DECODE_SYM", "DSV41_EXP_NO_WG_SPLIT",
-                                                                  "DSV41_EXP_PREFILL_PAIR", "DSV41_EXP_PAIR_ST_ASYNC"))
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
-                       timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and "SPLIT-OK" in out, out[-3000:]
-
-
-_WG1_ADDR_SCRIPT = '''
-import sys
-import cuda_ffi.emulate as E
-E.load(path=sys.argv[1])
-from tests.attention_cases import make_decode_case
-from tests.test_cuda_ffi import _decode_call, PAIR_CASES
-cases = [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
-cases += [(make_decode_case(53, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
-          (make_decode_case(54, b=5, s_q=2, h_q=128, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
-                            invalid_frac=0.2), 6)]
-for i, (c, n) in enumerate(cases):
-    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=3 + i), f"producer-address decode {i}")
-print("WG1-ADDR-OK")
-'''
-
-
-def test_emulated_decode_producer_addresses(tmp_path):
-    # By default a pair's warpgroup 1 computes the producers' gather addresses into a ring of shared-memory
-    # slots (kernels.cuh AddrGen; the default emulator runs it in every pair case); DSV41_EXP_NO_WG1_ADDR
-    # gives that work back to the producers: pairs over several requests and splits, bf16 rows, masked and
-    # invalid tokens. The same build runs the DSV41_EXP_WG0_PV_LATE experiment (warpgroup 0's PV in flight
-    # across the wait for the next tile; the emulator fails a wgmma whose operands change in flight).
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    lib = cbuild.build_emulator(out_dir=tmp_path, defines=("DSV41_EXP_NO_WG1_ADDR", "DSV41_EXP_WG0_PV_LATE"))
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _WG1_ADDR_SCRIPT, str(lib)], cwd=root, capture_output=True, text=True,
-                       timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and "WG1-ADDR-OK" in out, out[-3000:]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("kw,num_sms", [
     (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
     (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
@@ -403,6 +374,7 @@ def test_emulated_decode_mma_sync_consumers(emu_mma_sync, kw, num_sms):
     _check_decode(make_decode_case(31, **kw), num_sms=num_sms, consumer="mma_sync")
 
 
+@pytest.mark.slow
 def test_emulated_prefill_mma_sync_consumers(emu_mma_sync):
     from cuda_ffi.emulate import prefill_emulated
 
@@ -707,10 +679,13 @@ def test_emulated_decode_plan_in_call_and_passed_in(emu):
 
 
 def _stale_case(seed, **kw):
-    return make_decode_case(seed, b=6, s_q=2, h_q=8, topk=512, block_size=64, fmt="fp8_ds_mla", lengths="var",
-                            extra=dict(topk=256, block_size=2, fmt="fp8_ds_mla", lengths="var"), **kw)
+    # 4 requests of up to 4 + 2 blocks over 24 parts: every request splits, so a plan from other lengths
+    # moves split boundaries over both caches
+    return make_decode_case(seed, b=4, s_q=2, h_q=8, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla", lengths="var"), **kw)
 
 
+@pytest.mark.slow
 def test_emulated_decode_stale_plans_stay_in_bounds(emu):
     # a plan made from other lengths: finite everywhere, never NaN from the poisoned unused slots; from longer
     # lengths (every request at topk) exact; from shorter ones the tokens outside the plan's blocks are dropped
@@ -718,7 +693,7 @@ def test_emulated_decode_stale_plans_stay_in_bounds(emu):
 
     case = _stale_case(28)
     call = _decode_call(case)
-    b, topk, etopk = 6, 512, call.extra_indices.shape[2]
+    b, topk, etopk = call.q.shape[0], call.indices.shape[2], call.extra_indices.shape[2]
     rng = np.random.default_rng(3)
 
     def plan_for(tl, etl):
@@ -727,6 +702,7 @@ def test_emulated_decode_stale_plans_stay_in_bounds(emu):
                                 planner="jax")
 
     longest = plan_for(np.full(b, topk), np.full(b, etopk))
+    assert (np.diff(np.asarray(longest.num_splits)) > 1).all(), "every request should split"
     out, lse = decode_emulated(dataclasses.replace(call, plan=longest), num_sms=24)
     e_out, e_lse = case.expected()
     assert_close(out, e_out, "decode_out", "out")
@@ -741,6 +717,7 @@ def test_emulated_decode_stale_plans_stay_in_bounds(emu):
     assert not bool(plan_is_stale(fresh, call.topk_length, call.extra_topk_length))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("h_q,pair", [(8, False), (128, True)])
 def test_emulated_decode_batch_invariant(emu, h_q, pair):
     # no split-KV and one part per request: a request's out and lse are bitwise the same alone and in any batch
@@ -759,3 +736,108 @@ def test_emulated_decode_batch_invariant(emu, h_q, pair):
     part = decode_emulated(sub, num_sms=16, seed=9)
     for x, y in zip(full, part):
         np.testing.assert_array_equal(np.asarray(x, np.float32)[perm], np.asarray(y, np.float32))
+
+
+# ------------------------------------------------------------------- variant emulators (run in the background)
+# Each builds the emulator with preprocessor definitions and runs a script over it in a fresh interpreter; the
+# module's `background` fixture starts them with the module, so they overlap the tests above.
+_PLANT_SCRIPT = '''
+import sys
+import cuda_ffi.emulate as E
+E.load(path=sys.argv[1])
+from tests.attention_cases import make_decode_case
+from tests.test_cuda_ffi import _decode_call
+case = make_decode_case(43, b=2, s_q=2, h_q=128, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="full")
+for seed in (1, 2, 3):
+    case.check(*E.decode_emulated(_decode_call(case), num_sms=4, seed=seed), "planted")
+print("PLANT-OK")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant,what", [(0, None), (1, "PFULL wait"), (2, "PEMPTY wait"), (3, "final cluster barrier")])
+def test_emulator_catches_planted_pair_bugs(background, plant, what, tmp_path):
+    # The emulator's cluster model must make each missing synchronisation of the pair protocol visible
+    # (kernels.cuh DSV41_TEST_PLANT); plant 0 is the unmodified kernel through the same script (the default
+    # build: DSV41_TEST_PLANT defaults to 0).
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    name = f"plant{plant}"
+    rc, out = background.result(name, lambda: _build_and_run(*_VARIANTS[name], tmp_path))
+    if plant == 0:
+        assert rc == 0 and "PLANT-OK" in out, out[-3000:]
+    else:
+        assert rc != 0 and "PLANT-OK" not in out, f"the emulator missed a removed {what}"
+        assert "emu:" in out or "AssertionError" in out, out[-3000:]
+
+
+_SPLIT_SCRIPT = '''
+import sys
+import cuda_ffi.emulate as E
+E.load(path=sys.argv[1])
+from tests.attention_cases import make_decode_case, make_prefill_case, make_growing_scores_prefill_case
+from tests.test_cuda_ffi import _decode_call, _prefill_call, PAIR_CASES
+cases = [(make_decode_case(51, b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
+         (make_decode_case(52, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2)]
+cases += [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
+for i, (c, n) in enumerate(cases):
+    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=1 + i), f"split decode {i}")
+for c in (make_prefill_case(32, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf"), make_growing_scores_prefill_case(35)):
+    c.check(E.prefill_emulated(_prefill_call(c)), "split prefill")
+print("SPLIT-OK")
+'''
+
+
+@pytest.mark.slow
+def test_emulated_flipped_consumer_shapes(background, tmp_path):
+    # The default build gives a pair's decode and prefill the split consumers (warpgroup 0: S, softmax,
+    # O[:, :256]; warpgroup 1: O[:, 256:]) and one CTA's decode the symmetric ones; this emulator flips the
+    # pairs and prefill (DSV41_EXP_DECODE_SYM, DSV41_EXP_NO_WG_SPLIT): symmetric pairs (S split over the
+    # dims, sym_qk_ksplit), single CTAs, split requests, bf16 and fp8, and a symmetric prefill; it also runs prefill's even head groups as 2-CTA pairs (DSV41_EXP_PREFILL_PAIR), and the
+    # pairs send their rows to the peer by lane st.async stores instead of cp.async.bulk (DSV41_EXP_PAIR_ST_ASYNC).
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    rc, out = background.result("flipped", lambda: _build_and_run(*_VARIANTS["flipped"], tmp_path))
+    assert rc == 0 and "SPLIT-OK" in out, out[-3000:]
+
+
+_WG1_ADDR_SCRIPT = '''
+import sys
+import cuda_ffi.emulate as E
+E.load(path=sys.argv[1])
+from tests.attention_cases import make_decode_case
+from tests.test_cuda_ffi import _decode_call, PAIR_CASES
+cases = [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
+cases += [(make_decode_case(53, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
+          (make_decode_case(54, b=5, s_q=2, h_q=128, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            invalid_frac=0.2), 6)]
+for i, (c, n) in enumerate(cases):
+    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=3 + i), f"producer-address decode {i}")
+print("WG1-ADDR-OK")
+'''
+
+
+@pytest.mark.slow
+def test_emulated_decode_producer_addresses(background, tmp_path):
+    # By default a pair's warpgroup 1 computes the producers' gather addresses into a ring of shared-memory
+    # slots (kernels.cuh AddrGen; the default emulator runs it in every pair case); DSV41_EXP_NO_WG1_ADDR
+    # gives that work back to the producers: pairs over several requests and splits, bf16 rows, masked and
+    # invalid tokens. The same build runs the DSV41_EXP_WG0_PV_LATE experiment (warpgroup 0's PV in flight
+    # across the wait for the next tile; the emulator fails a wgmma whose operands change in flight).
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    rc, out = background.result("producer", lambda: _build_and_run(*_VARIANTS["producer"], tmp_path))
+    assert rc == 0 and "WG1-ADDR-OK" in out, out[-3000:]
+
+
+# background job -> (emulator definitions, script); the test each belongs to
+_VARIANTS = {
+    "plant0": ((), _PLANT_SCRIPT),
+    **{f"plant{n}": ((f"DSV41_TEST_PLANT={n}",), _PLANT_SCRIPT) for n in (1, 2, 3)},
+    "flipped": (("DSV41_EXP_DECODE_SYM", "DSV41_EXP_NO_WG_SPLIT", "DSV41_EXP_PREFILL_PAIR", "DSV41_EXP_PAIR_ST_ASYNC"),
+                _SPLIT_SCRIPT),
+    "producer": (("DSV41_EXP_NO_WG1_ADDR", "DSV41_EXP_WG0_PV_LATE"), _WG1_ADDR_SCRIPT),
+}
+_VARIANT_TESTS = {"test_emulator_catches_planted_pair_bugs": "plant",
+                  "test_emulated_flipped_consumer_shapes": "flipped",
+                  "test_emulated_decode_producer_addresses": "producer"}

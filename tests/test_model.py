@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 
 import dsv41_jax as d
 from dsv41_jax import weights
+from dsv41_jax.buckets import BucketPolicy
 from dsv41_jax.engine import EngineConfig, InferenceEngine
 from dsv41_jax.model import dense_forward, make_rope_tables, select_topk
 from dsv41_jax.nn import DeepseekV41Model
@@ -21,6 +24,9 @@ CFG = d.TINY.replace(
     kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3,
 )
 MAX_LEN = 48
+# One token bucket and one block-table width for every step of SCHEDULE: the numerics tests compile once per
+# cache format; crossing buckets is test_generate_never_compiles_after_warmup's part.
+ONE_SHAPE = BucketPolicy(min_tokens=32, min_blocks=16)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +34,26 @@ def model():
     return DeepseekV41Model(CFG, rngs=nnx.Rngs(0))
 
 
-def _dense(model, tokens, **kw):
-    gd, st = nnx.split(model)
-    tables = make_rope_tables(model.cfg, MAX_LEN)
-    f = jax.jit(lambda st, t: dense_forward(nnx.merge(gd, st), t, tables=tables, **kw))
-    return np.asarray(f(st, jnp.asarray(tokens)))
+_DENSE: dict = {}
+
+
+def _dense(model, tokens, kv_format="bf16", pad=True):
+    """dense_forward's logits of `tokens`, one compilation per length and cache format in the module.
+
+    With `pad` the sequence runs padded to MAX_LEN, which changes no row of a causal model beyond float
+    reordering (a few 1e-3 after the bf16 roundings), so every sequence shares one compilation; the fp8
+    comparison needs the cache's roundings bit for bit and runs unpadded."""
+    n = MAX_LEN if pad else len(tokens)
+    key = (id(model), kv_format, n)
+    if key not in _DENSE:
+        gd, st = nnx.split(model)
+        tables = make_rope_tables(model.cfg, MAX_LEN)
+        f = jax.jit(lambda st, t: dense_forward(nnx.merge(gd, st), t, tables=tables, kv_format=kv_format))
+        _DENSE[key] = (f, st)
+    f, st = _DENSE[key]
+    padded = np.zeros(n, np.int32)
+    padded[: len(tokens)] = tokens
+    return np.asarray(f(st, jnp.asarray(padded)))[: len(tokens)]
 
 
 def _run(engine, seqs, schedule):
@@ -60,10 +81,13 @@ def seqs():
 SCHEDULE = [(13, 6), (9, 7), (1, 1), (1, 1), (3, 2), (3, 3), (1, 1), (2, 3), (7, 0)]
 
 
+@pytest.mark.slow
 def test_engine_matches_dense_bf16(model, seqs):
     eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
-                                              kv_format="bf16", impl="xla", num_speculative_tokens=2))
+                                              kv_format="bf16", impl="xla", num_speculative_tokens=2,
+                                              buckets=ONE_SHAPE))
     got = _run(eng, seqs, SCHEDULE)
+    assert len(eng.compiled_shapes) == 1
     for s, g in zip(seqs, got):
         ref = _dense(model, s)[: g.shape[0]]
         # bf16 attention outputs (the ops' contract) are the only rounding that differs in order
@@ -71,11 +95,13 @@ def test_engine_matches_dense_bf16(model, seqs):
         assert (g.argmax(-1) == ref.argmax(-1)).mean() > 0.95
 
 
+@pytest.mark.slow
 def test_engine_matches_dense_fp8_within_quantisation(model, seqs):
     eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
-                                              kv_format="fp8_ds_mla", impl="xla", num_speculative_tokens=2))
+                                              kv_format="fp8_ds_mla", impl="xla", num_speculative_tokens=2,
+                                              buckets=ONE_SHAPE))
     got = _run(eng, seqs[:1], [(c,) for c, _ in SCHEDULE])[0]
-    ref_q = _dense(model, seqs[0], kv_format="fp8_ds_mla")[: got.shape[0]]  # same rounding as the cache
+    ref_q = _dense(model, seqs[0], kv_format="fp8_ds_mla", pad=False)[: got.shape[0]]  # the cache's roundings
     ref = _dense(model, seqs[0])[: got.shape[0]]  # unquantised
     np.testing.assert_allclose(got, ref_q, atol=3e-2, rtol=0)
     # e4m3 keeps 3 mantissa bits (up to 3% per element); through 5 random layers the logits move
@@ -84,29 +110,86 @@ def test_engine_matches_dense_fp8_within_quantisation(model, seqs):
     assert rel < 0.2, f"fp8 caches move the logits by {rel:.3f} (relative), more than quantisation should"
 
 
-def test_steps_compile_once_per_bucket(model, seqs):
-    eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
-                                              impl="xla", num_speculative_tokens=2))
-    rids = [eng.add_request(s) for s in seqs]
-    eng.step([(rids[0], 5), (rids[1], 5)])
-    n = eng._fn._cache_size()
-    for _ in range(4):  # same buckets: 16 tokens, 8 requests, block tables of 4 pages
-        eng.step([(rids[0], 1), (rids[1], 1)])
-    assert eng._fn._cache_size() == n
+@contextlib.contextmanager
+def backend_compiles():
+    """The functions XLA compiles inside the block (jax's monitoring event of every backend compilation)."""
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    names: list[str] = []
+
+    def listener(event, duration, **kw):
+        if event == BACKEND_COMPILE_EVENT:
+            names.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_generate_greedy_matches_dense(model):
-    eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=4, block_size=8, comp_block_size=4,
-                                              impl="xla"))
-    prompts = [[5, 9, 200, 17, 3, 3, 81, 44, 12], [7, 7, 1]]
-    outs = eng.generate(prompts, 6, prefill_chunk=4)
+@pytest.mark.slow
+def test_generate_never_compiles_after_warmup(model):
+    # 2 requests, chunks of 8, 16 tokens a step: one token bucket; sequences up to 48 cross every
+    # block-table bucket: SWA 4 -> 8 pages at 33 tokens, ratio-1 4 -> 8 -> 16 at 17 and 33, ratio-2 4 -> 8 at 34
+    eng = InferenceEngine(model, EngineConfig(max_model_len=MAX_LEN, max_reqs=2, block_size=8, comp_block_size=4,
+                                              impl="xla", num_speculative_tokens=2, prefill_chunk=8,
+                                              max_num_batched_tokens=16))
+    assert [(s.tokens, s.blocks, s.comp_blocks) for s in eng.envelope] == [
+        (16, 4, ((1, 4), (2, 4))), (16, 4, ((1, 8), (2, 4))), (16, 8, ((1, 16), (2, 4))), (16, 8, ((1, 16), (2, 8)))]
+    with backend_compiles() as during_warmup:
+        ws = eng.warmup(progress=False)
+    assert ws.num_compiled == ws.num_shapes == len(eng.envelope) == len(ws.per_shape) and eng.is_warm
+    assert len(during_warmup) >= ws.num_compiled  # the listener sees compilations
+    assert eng.warmup(progress=False).num_compiled == 0
+
+    prompts = [list(range(3, 33)), [7, 7, 1]]  # 30 tokens + 12 new: 41 positions
+    with backend_compiles() as during_generate:
+        outs, stats = eng.generate(prompts, 12, return_stats=True)
+    assert during_generate == []
+    assert stats.warmup is None and eng.last_generate_stats is stats
+    assert [s.num_tokens for s in stats.prefill_steps] == [11, 8, 8, 6]  # chunks of 8, 16 tokens a step
+    assert len(stats.decode_steps) == 11 and all(s.num_tokens == 2 for s in stats.decode_steps)
+    assert {s.shape for s in stats.steps} == set(eng.envelope)  # every bucket met, none compiled
+    assert all(s.host_s > 0 and s.device_s > 0 for s in stats.steps)
+    assert 0 < stats.decode_tokens_per_s < stats.decode_device_tokens_per_s
+    assert "decode: 11 steps, 22 tokens" in stats.summary()
     for p, o in zip(prompts, outs):
         # causal: the dense logits at position i of the final sequence see exactly tokens 0..i
         ref = _dense(model, list(p) + o)
         for i, tok in enumerate(o):  # each generated token is the dense argmax given everything before it
             row = ref[len(p) - 1 + i]
             assert tok == int(np.argmax(row)) or row.max() - row[tok] < 3e-2
-    assert not eng.requests and len(eng.free_rows) == 4  # everything was released
+    assert not eng.requests and len(eng.free_rows) == 2  # everything was released
+
+    # speculative-style steps (3 and 2 tokens a request, s_q > 1 decode) and a chunked prefill by hand
+    rids = [eng.add_request(list(range(40))), eng.add_request(list(range(5, 25)))]
+    with backend_compiles() as during_steps:
+        for counts in [(8, 8), (8, 8), (3, 2), (1, 2), (8, 0), (8, 0), (3, 0), (1, 0)]:
+            eng.step(list(zip(rids, counts)))
+            assert eng.last_step.shape in eng.envelope
+    assert during_steps == []
+    assert eng.requests[rids[0]]["done"] == 40
+
+    for r in rids:
+        eng.finish(r)
+
+    # outside the limits: a ValueError naming the limit, before anything compiles
+    with backend_compiles() as refused:
+        rid = eng.add_request(list(range(20)))
+        with pytest.raises(ValueError, match=r"feeds 9 tokens in one step, more than the engine's 8 per request "
+                                             r"\(EngineConfig.prefill_chunk=8"):
+            eng.step([(rid, 9)])
+        eng.finish(rid)
+        with pytest.raises(ValueError, match=r"prefill_chunk must be an int in 1..8"):
+            eng.generate([[1, 2]], 2, prefill_chunk=9)
+        with pytest.raises(ValueError, match="needs 50 positions, more than max_model_len 48"):
+            eng.generate([[1] * 40], 11)
+        with pytest.raises(ValueError, match=r"3 prompts exceed the 2 free request slots \(EngineConfig.max_reqs=2\)"):
+            eng.generate([[1], [2], [3]], 2)
+    assert refused == [] and not eng.requests
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(5\) must hold .* = 6"):
+        EngineConfig(max_reqs=2, num_speculative_tokens=2, max_num_batched_tokens=5)
 
 
 def test_select_topk_shortcut_and_candidates():
@@ -122,7 +205,7 @@ def test_select_topk_shortcut_and_candidates():
 
 def test_weights_roundtrip_and_errors(model, tmp_path):
     p = tmp_path / "model.safetensors"
-    weights.save_safetensors(model, str(p))
+    assert weights.save_safetensors(model, str(p)) == [str(p)]
     other = DeepseekV41Model(CFG, rngs=nnx.Rngs(7))
     weights.load_safetensors(other, str(p))
     a, b = weights.hf_state_dict(model), weights.hf_state_dict(other)
@@ -136,21 +219,83 @@ def test_weights_roundtrip_and_errors(model, tmp_path):
     missing = dict(a)
     missing.pop("model.layers.3.self_attn.indexer.wk.weight")
     save_file(missing, str(tmp_path / "missing.safetensors"))
-    with pytest.raises(ValueError, match="missing tensors .*model.layers.3.self_attn.indexer.wk.weight"):
+    with pytest.raises(ValueError, match=r"missing tensors \(1\), looked for in file .*missing.safetensors: "
+                                         r"model.layers.3.self_attn.indexer.wk.weight"):
         weights.load_safetensors(other, str(tmp_path / "missing.safetensors"))
     bad = dict(a)
     bad["model.layers.0.self_attn.wq_a.weight"] = np.zeros((3, 3), np.float32)
     save_file(bad, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(ValueError, match=r"mis-shaped tensor model.layers.0.self_attn.wq_a.weight: expected shape \(64, 128\), got \(3, 3\)"):
+    with pytest.raises(ValueError, match=r"mis-shaped tensor model.layers.0.self_attn.wq_a.weight in "
+                                         r".*bad.safetensors: expected shape \(64, 128\), got \(3, 3\)"):
         weights.load_safetensors(other, str(tmp_path / "bad.safetensors"))
     extra = dict(a)
     extra["model.layers.9.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
     save_file(extra, str(tmp_path / "extra.safetensors"))
-    with pytest.raises(ValueError, match="unexpected tensors"):
+    with pytest.raises(ValueError, match="unexpected tensors .*model.layers.9.mlp.up_proj.weight in .*extra"):
         weights.load_safetensors(other, str(tmp_path / "extra.safetensors"))
     weights.load_safetensors(other, str(tmp_path / "extra.safetensors"), strict=False)
     with pytest.raises(ValueError, match="does not exist"):
         weights.load_safetensors(other, str(tmp_path / "nope.safetensors"))
+
+
+def _load_equal(model, path):
+    other = DeepseekV41Model(CFG, rngs=nnx.Rngs(7))
+    weights.load_safetensors(other, path)
+    a, b = weights.hf_state_dict(model), weights.hf_state_dict(other)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_sharded_checkpoint_through_its_index(model, tmp_path):
+    import json
+
+    from safetensors.numpy import save_file
+
+    ckpt = tmp_path / "ckpt"
+    files = weights.save_safetensors(model, ckpt, max_shard_size="1MB")
+    index = ckpt / "model.safetensors.index.json"
+    shards = sorted(f for f in files if f.endswith(".safetensors"))
+    assert str(index) in files and len(shards) > 3
+    assert shards[0].endswith(f"model-00001-of-{len(shards):05d}.safetensors")
+    imap = json.loads(index.read_text())
+    a = weights.hf_state_dict(model)
+    assert set(imap["weight_map"]) == set(a) and imap["metadata"]["total_size"] == sum(v.nbytes for v in a.values())
+    _load_equal(model, ckpt)  # the directory
+    _load_equal(model, str(index))  # the index itself
+    one = tmp_path / "one"
+    assert weights.save_safetensors(model, one, max_shard_size="1GB") == [str(one / "model.safetensors")]
+    _load_equal(model, one)  # a directory of one file, no index
+
+    name = "model.layers.3.self_attn.indexer.wk.weight"
+    shard = ckpt / imap["weight_map"][name]
+    other = DeepseekV41Model(CFG, rngs=nnx.Rngs(7))
+    # a tensor the index does not list: missing, and looked for in the index
+    broken = dict(imap, weight_map={k: v for k, v in imap["weight_map"].items() if k != name})
+    index.write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match=f"{shard.name} holds 1 tensors the index does not list: {name}"):
+        weights.load_safetensors(other, ckpt)
+    # the index maps a tensor to a shard that does not hold it
+    wrong = next(f for f in imap["weight_map"].values() if f != shard.name)
+    index.write_text(json.dumps(dict(imap, weight_map={**imap["weight_map"], name: wrong})))
+    with pytest.raises(ValueError, match=f"{wrong} does not hold 1 tensors the index maps to it: {name}"):
+        weights.load_safetensors(other, ckpt)
+    # a tensor in no shard and not in the index: missing, looked for in the index's weight_map
+    held = {k: v for k, v in a.items() if imap["weight_map"][k] == shard.name and k != name}
+    save_file(held, str(shard))
+    index.write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match=f"missing tensors \\(1\\), looked for in the weight_map of .*{index.name}: "
+                                         f"{name}"):
+        weights.load_safetensors(other, ckpt)
+    # a mis-shaped tensor names its shard
+    save_file({**held, name: np.zeros((2, 2), np.float32)}, str(shard))
+    index.write_text(json.dumps(imap))
+    with pytest.raises(ValueError, match=f"mis-shaped tensor {name} in .*{shard.name}: expected shape"):
+        weights.load_safetensors(other, ckpt)
+    # a shard the index names is gone
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"names shards that do not exist: .*{shard.name} \\(for"):
+        weights.load_safetensors(other, ckpt)
+    with pytest.raises(ValueError, match="max_shard_size"):
+        weights.save_safetensors(model, tmp_path / "x", max_shard_size="lots")
 
 
 def test_engine_rejects_bad_requests(model):

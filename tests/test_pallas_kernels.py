@@ -132,10 +132,10 @@ class _Worker:
     slower on 2 cores). Started by the first test of this module so that the in-process lowering
     tests overlap with it; `results()` waits for it (with a timeout)."""
 
-    def __init__(self):
+    def __init__(self, names: list[str]):
         env = dict(os.environ, NPROC="16", JAX_PLATFORMS="cpu",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", ",".join(CASES)],
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", ",".join(names)],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.started = time.time()
         self._done = None
@@ -158,10 +158,13 @@ class _Worker:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def interpret_worker():
-    w = _Worker()
+def interpret_worker(request):
+    """The worker, running the interpret cases whose tests are selected (none: no worker)."""
+    names = [it.callspec.params["name"] for it in request.session.items if getattr(it, "module", None) is request.module
+             and getattr(it, "originalname", "") == "test_interpret_matches_oracle"]
+    w = _Worker(names) if names else None
     yield w
-    if w.proc.poll() is None:
+    if w is not None and w.proc.poll() is None:
         w.proc.kill()
         w.proc.communicate()
 
@@ -350,6 +353,7 @@ def test_fp8_scale_factor_operand():
 
 
 # ----------------------------------------------------- interpret results (run last: they wait)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpret_matches_oracle(name, interpret_worker):
     results, log = interpret_worker.results()
