@@ -56,7 +56,8 @@ def run_batch(model, cfg, b: int, *, prompt: int, steps: int, impl: str, kv_form
 
     cupti_iters = 3
     extra = steps + cupti_iters + 2  # teacher-forced decode tokens: timed steps, CUPTI's warm-up and calls
-    ecfg = d.EngineConfig(max_model_len=prompt + extra + 1, max_reqs=b, kv_format=kv_format, impl=impl)
+    ecfg = d.EngineConfig(max_model_len=prompt + extra + 1, max_reqs=b, kv_format=kv_format, impl=impl,
+                          max_num_batched_tokens=b * prompt)  # every prompt prefilled in one step
     eng = d.InferenceEngine(model, ecfg)
     rng = np.random.default_rng(seed)
     rids = [eng.add_request(rng.integers(0, cfg.vocab_size, prompt + extra).tolist()) for _ in range(b)]

@@ -8,6 +8,7 @@ XLA FFI (`impl="cuda"`). Everything public is importable from this module.
 from dsv41_jax import (attention, backends, buckets, checkpoint, config, engine_stats, envelope, hf_config, kv_cache,
                        layer_types, metadata, plans, reference, rope, scheduler)
 from dsv41_jax.attention import (
+    AUTO_ORDER,
     DecodeCall,
     ImplCandidate,
     ImplChoice,
@@ -33,9 +34,7 @@ from dsv41_jax.backends import (
     select_backend,
 )
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
-from dsv41_jax.checkpoint import open_checkpoint
-from dsv41_jax.engine_stats import GenerateStats, StepTiming, WarmupStats
-from dsv41_jax.envelope import ServingLimits, StepShape, envelope_shapes
+from dsv41_jax.checkpoint import Checkpoint, TensorInfo, open_checkpoint, write_checkpoint
 from dsv41_jax.config import (
     PRESETS,
     TINY,
@@ -47,6 +46,8 @@ from dsv41_jax.config import (
     RopeScaling,
     get_preset,
 )
+from dsv41_jax.engine_stats import GenerateStats, StepTiming, WarmupStats
+from dsv41_jax.envelope import ServingLimits, StepShape, envelope_shapes
 from dsv41_jax.layer_types import (
     DecodePlanSpec,
     decode_plan_spec,

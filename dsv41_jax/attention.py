@@ -271,8 +271,8 @@ def _check_q(q: Any, ndim: int, layout: str) -> jax.Array:
 def _check_impl(impl: Any) -> str:
     if not isinstance(impl, str):
         raise TypeError(f"impl must be a str, got {type(impl).__name__}")
-    if impl not in ("auto", "xla", "pallas", "cuda"):
-        raise ValueError(f"impl must be one of 'auto', 'xla', 'pallas', 'cuda', got {impl!r}")
+    if impl != "auto" and impl not in AUTO_ORDER:
+        raise ValueError(f"impl must be one of {', '.join(repr(n) for n in ('auto', *AUTO_ORDER))}, got {impl!r}")
     return impl
 
 

@@ -63,6 +63,9 @@ __all__ = ["EngineConfig", "InferenceEngine", "StepInputs"]
 
 _F32 = jnp.float32
 _log = logging.getLogger(__name__)
+# The step token budget without an explicit max_num_batched_tokens (vLLM's chunked-prefill default): every
+# token bucket up to it is compiled, so the default keeps warm-up bounded whatever max_model_len is.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,9 @@ class EngineConfig:
     mesh: jax.sharding.Mesh | None = None  # heads of the attention split over `head_axis`
     head_axis: str = "tp"
     prefill_chunk: int | None = None  # most tokens of one request in one step; default: max_model_len
-    max_num_batched_tokens: int | None = None  # most tokens in one step; default: max_reqs * per-request limit
+    # most tokens in one step; default: DEFAULT_MAX_NUM_BATCHED_TOKENS, or a decode step of every request if
+    # that is more, or max_reqs * the per-request limit if that is less
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         for k in ("max_model_len", "max_reqs", "block_size", "comp_block_size"):
@@ -108,7 +113,9 @@ class EngineConfig:
         1 + num_speculative_tokens, at most max_model_len), a step holds at most `max_num_batched_tokens`."""
         chunk = self.max_model_len if self.prefill_chunk is None else self.prefill_chunk
         per_req = min(self.max_model_len, max(chunk, 1 + self.num_speculative_tokens))
-        per_step = self.max_num_batched_tokens or self.max_reqs * per_req
+        per_step = self.max_num_batched_tokens or min(
+            self.max_reqs * per_req,
+            max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_reqs * (1 + self.num_speculative_tokens)))
         return ServingLimits(self.max_reqs, self.max_model_len, per_req, per_step)
 
     @property
@@ -409,14 +416,18 @@ class InferenceEngine:
         return stats
 
     # ------------------------------------------------------------------ request bookkeeping
+    def _check_prompt(self, prompt: Sequence[int], name: str) -> list[int]:
+        toks = [int(t) for t in prompt]
+        if not toks:
+            raise ValueError(f"{name} must have at least one token")
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in toks):
+            raise ValueError(f"{name} tokens must be in [0, {self.model.cfg.vocab_size})")
+        return toks
+
     def add_request(self, prompt: Sequence[int]) -> int:
         if not self.free_rows:
             raise RuntimeError(f"no free request slot (max_reqs={self.ecfg.max_reqs})")
-        toks = [int(t) for t in prompt]
-        if not toks:
-            raise ValueError("prompt must have at least one token")
-        if any(not 0 <= t < self.model.cfg.vocab_size for t in toks):
-            raise ValueError(f"prompt tokens must be in [0, {self.model.cfg.vocab_size})")
+        toks = self._check_prompt(prompt, "prompt")
         rid = self._next_id
         self._next_id += 1
         self.requests[rid] = dict(tokens=toks, done=0, row=self.free_rows.pop(0), pages={"swa": []} | {r: [] for r in self.ratios})
@@ -580,17 +591,20 @@ class InferenceEngine:
         if len(prompts) > len(self.free_rows):
             raise ValueError(f"{len(prompts)} prompts exceed the {len(self.free_rows)} free request slots "
                              f"(EngineConfig.max_reqs={self.ecfg.max_reqs})")
-        for i, p in enumerate(prompts):
-            if len(p) + max(max_new_tokens - 1, 0) > lim.max_model_len:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) with {max_new_tokens} new tokens needs "
-                                 f"{len(p) + max_new_tokens - 1} positions, more than max_model_len "
-                                 f"{lim.max_model_len}")
+        for i, p in enumerate(prompts):  # before a warm-up that may take minutes
+            n = len(self._check_prompt(p, f"prompt {i}")) + max(max_new_tokens - 1, 0)
+            if n > lim.max_model_len:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) with {max_new_tokens} new tokens needs {n} positions, "
+                                 f"more than max_model_len {lim.max_model_len}")
         warm = None if self.is_warm else self.warmup()
-        rids = [self.add_request(p) for p in prompts]
-        outs: dict[int, list[int]] = {r: [] for r in rids}
+        rids: list[int] = []
+        outs: dict[int, list[int]] = {}
         last: dict[int, np.ndarray] = {}
         steps: list[StepTiming] = []
         try:
+            for p in prompts:
+                rids.append(self.add_request(p))
+                outs[rids[-1]] = []
             while True:  # prefill, chunked, within the step's token budget
                 t0 = time.perf_counter()
                 feeds, budget = [], lim.max_tokens_per_step

@@ -5,7 +5,7 @@ request bucket, the SWA block-table width and one compressed block-table width p
 widths follow from the longest sequence in the step (`block_widths`), as every request holds exactly the
 pages its sequence needs. `envelope_shapes` lists every shape a step within the limits can have:
 
-- tokens: each bucket of `BucketPolicy.token_buckets(max_tokens_per_step)`;
+- tokens: each token bucket of 1 .. `max_tokens_per_step` tokens;
 - requests: each bucket of 1 .. `max_reqs` requests;
 - a (tokens, requests) pair only when some step fits it: at least one token per request and at most
   `max_tokens_per_req` tokens per request;
@@ -70,13 +70,21 @@ def step_shape(buckets: BucketPolicy, *, num_tokens: int, num_reqs: int, max_seq
     return StepShape(buckets.tokens(max(num_tokens, 1)), buckets.reqs(max(num_reqs, 1)), swa, comp)
 
 
-def _ranges(bucket_of, hi: int) -> dict[int, tuple[int, int]]:
-    """bucket -> (smallest, largest) count in 1..hi padded to it."""
-    out: dict[int, tuple[int, int]] = {}
-    for n in range(1, hi + 1):
-        b = bucket_of(n)
-        lo = out.get(b, (n, n))[0]
-        out[b] = (lo, n)
+def _runs(f, hi: int) -> list[tuple[object, int, int]]:
+    """(value, first, last) of each run of the non-decreasing `f` over 1..hi, found by binary search (a
+    handful of calls per run, so long contexts and large step budgets cost no more than a few)."""
+    out, lo = [], 1
+    while lo <= hi:
+        v = f(lo)
+        a, b = lo, hi  # the last n >= lo with f(n) == v
+        while a < b:
+            m = (a + b + 1) // 2
+            if f(m) == v:
+                a = m
+            else:
+                b = m - 1
+        out.append((v, lo, a))
+        lo = a + 1
     return out
 
 
@@ -84,16 +92,12 @@ def envelope_shapes(buckets: BucketPolicy, limits: ServingLimits, *, block_size:
                     ratios: Sequence[int]) -> tuple[StepShape, ...]:
     """Every step shape within `limits`, sorted (see the module doc)."""
     lim = limits
-    widths: list[tuple[int, tuple]] = []  # (first sequence length, widths), one entry per change
-    for s in range(1, lim.max_model_len + 1):
-        w = block_widths(buckets, s, block_size=block_size, comp_block_size=comp_block_size, ratios=ratios)
-        if not widths or widths[-1][1] != w:
-            widths.append((s, w))
-    tok = _ranges(buckets.tokens, lim.max_tokens_per_step)
-    req = _ranges(buckets.reqs, lim.max_reqs)
+    # every width is non-decreasing in the sequence length, so equal width tuples form runs
+    widths = _runs(lambda s: block_widths(buckets, s, block_size=block_size, comp_block_size=comp_block_size,
+                                          ratios=ratios), lim.max_model_len)
     shapes = set()
-    for t, (t_lo, t_hi) in tok.items():
-        for r, (r_lo, r_hi) in req.items():
+    for t, t_lo, t_hi in _runs(buckets.tokens, lim.max_tokens_per_step):
+        for r, r_lo, r_hi in _runs(buckets.reqs, lim.max_reqs):
             # the shortest longest-sequence of a step of n requests and n_tok tokens in these buckets, each
             # request with 1 .. max_tokens_per_req tokens: its largest share, ceil(n_tok / n)
             shortest = None
@@ -104,8 +108,7 @@ def envelope_shapes(buckets: BucketPolicy, limits: ServingLimits, *, block_size:
                     shortest = s if shortest is None else min(shortest, s)
             if shortest is None:
                 continue  # no step has these buckets
-            for i, (s0, (swa, comp)) in enumerate(widths):
-                s1 = widths[i + 1][0] - 1 if i + 1 < len(widths) else lim.max_model_len
+            for (swa, comp), _, s1 in widths:
                 if s1 >= shortest:
                     shapes.add(StepShape(t, r, swa, comp))
     return tuple(sorted(shapes))

@@ -199,7 +199,7 @@ def format_report(r: Report) -> str:
             lines.append(f"  built {b.get('built_at', '?')}: archs {', '.join(b.get('archs') or [])}; "
                          f"nvcc {b.get('nvcc') or '?'}; commit {commit}; jax {b.get('jax', '?')}")
         elif r.cuda_library_present:
-            lines.append("  no build_info.json beside it (built before builds recorded one)")
+            lines.append("  no build_info.json beside it (its build is not recorded)")
     lines.append("build tools: " + ", ".join(f"{k} {v or 'not found'}" for k, v in r.build_tools.items()))
     return "\n".join(lines)
 
