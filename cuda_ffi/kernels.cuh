@@ -1863,6 +1863,17 @@ DEVFN int plan_window_cost(const PlanParams& p, int base, int cbase, int nblk, i
   return in ? cbase + v : 0x7fffffff;
 }
 
+// One record: request range, block range, split index, and whether the first / last request is split (one
+// request: either); end_nblk = blocks(end_req), so the last request is split iff the part stops inside it.
+DEVFN void plan_write_record(int32_t* dst, int begin_req, int end_req, int begin_blk, int end_blk, int end_nblk,
+                             int begin_split) {
+  int first = begin_blk != 0 ? 1 : 0, last = end_blk != end_nblk ? 1 : 0;
+  if (begin_req == end_req) first = last = (first | last);
+  const int32_t row[8] = {begin_req, end_req, begin_blk, end_blk, begin_split, first, last, 0};
+#pragma unroll
+  for (int f = 0; f < 8; ++f) dst[f] = row[f];
+}
+
 DEVFN void plan_warp(const PlanParams& p, int lane) {
   const int b = p.b, parts = p.num_parts, ov = p.fixed_overhead;
   // ---- total = sum(blocks + ov), payload per part
@@ -1948,19 +1959,7 @@ DEVFN void plan_warp(const PlanParams& p, int lane) {
     pj = (int)shfl_idx_u32((uint32_t)j, 31);
     pblk = (int)shfl_idx_u32((uint32_t)blk, 31);
     syncwarp();  // every read of these rows before any write
-    if (k < parts) {
-      const int end_req = blk > 0 ? j : j - 1, end_blk = blk > 0 ? blk : nb;
-      int first = begin_blk != 0 ? 1 : 0, last = (blk > 0 && end_blk != nb) ? 1 : 0;
-      if (begin_req == end_req) first = last = (first | last);
-      row[0] = begin_req;
-      row[1] = end_req;
-      row[2] = begin_blk;
-      row[3] = end_blk;
-      row[4] = bsplit;
-      row[5] = first;
-      row[6] = last;
-      row[7] = 0;
-    }
+    if (k < parts) plan_write_record(row, begin_req, blk > 0 ? j : j - 1, begin_blk, blk > 0 ? blk : nb, nb, bsplit);
   }
 }
 
@@ -2093,38 +2092,17 @@ DEVFN void plan_cta(const PlanParams& p, char* smem) {
   }
   bar_sync(kPlanBar, kPlanCtaThreads);
   cta_inclusive_scan(S, parts + 1, scratch);
-  // ---- the records
+  // ---- the records (a part starting at C[b] is empty: begin past end, as the greedy leaves it)
   for (int k = tid; k < parts; k += kPlanCtaThreads) {
-    int32_t row[8];
     const int x0 = X[k], x1 = X[k + 1];
-    if (x0 >= total) {  // empty: begin past end, as the greedy leaves it
-      row[0] = b;
-      row[1] = b - 1;
-      row[2] = 0;
-      row[3] = C[b] - C[b - 1] - ov;
-      row[4] = row[5] = row[6] = 0;
-    } else {
-      const int r0 = R[k], bb = x0 - C[r0];
-      const int bs = bb == 0 ? 0 : S[k] - S[plan_last_le(X, parts + 1, C[r0])];
-      const int r1 = R[k + 1];
-      const bool at_start = x1 == C[r1];  // (x1 == C[b] included)
-      const int er = at_start ? r1 - 1 : r1;
-      const int nb = C[er + 1] - C[er] - ov;
-      const int eb = at_start ? nb : x1 - C[r1];
-      int first = bb != 0 ? 1 : 0, last = eb != nb ? 1 : 0;
-      if (r0 == er) first = last = (first | last);
-      row[0] = r0;
-      row[1] = er;
-      row[2] = bb;
-      row[3] = eb;
-      row[4] = bs;
-      row[5] = first;
-      row[6] = last;
-    }
-    row[7] = 0;
-    int32_t* dst = p.sched + (int64_t)k * 8;
-#pragma unroll
-    for (int f = 0; f < 8; ++f) dst[f] = row[f];
+    const bool empty = x0 >= total;
+    const int r0 = empty ? b : R[k], bb = empty ? 0 : x0 - C[r0];
+    const int bs = bb == 0 ? 0 : S[k] - S[plan_last_le(X, parts + 1, C[r0])];
+    const int r1 = empty ? b : R[k + 1];
+    const bool at_start = x1 == C[r1];  // (x1 == C[b] included)
+    const int er = at_start ? r1 - 1 : r1;
+    const int nb = C[er + 1] - C[er] - ov;
+    plan_write_record(p.sched + (int64_t)k * 8, r0, er, bb, at_start ? nb : x1 - C[r1], nb, bs);
   }
   // ---- num_splits[r + 1] = r + 1 + (split points before request r's end)
   if (tid == 0) p.num_splits[0] = 0;
