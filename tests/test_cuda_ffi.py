@@ -81,6 +81,14 @@ class _Background:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _variant(background, name: str, tmp_path: Path) -> tuple[int, str]:
+    """(return code, output) of the emulator variant `name` (_VARIANTS) running its script, built in the
+    background; skips without a C++ compiler."""
+    if cbuild.find_cxx() is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
+    return background.result(name, lambda: _build_and_run(*_VARIANTS[name], tmp_path))
+
+
 def _build_and_run(defines: tuple[str, ...], script: str, out_dir: Path) -> tuple[int, str]:
     """Build the emulator with `defines` (none: the default library), run `script` over it in a fresh
     interpreter; (return code, output)."""
@@ -760,10 +768,7 @@ def test_emulator_catches_planted_pair_bugs(background, plant, what, tmp_path):
     # The emulator's cluster model must make each missing synchronisation of the pair protocol visible
     # (kernels.cuh DSV41_TEST_PLANT); plant 0 is the unmodified kernel through the same script (the default
     # build: DSV41_TEST_PLANT defaults to 0).
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    name = f"plant{plant}"
-    rc, out = background.result(name, lambda: _build_and_run(*_VARIANTS[name], tmp_path))
+    rc, out = _variant(background, f"plant{plant}", tmp_path)
     if plant == 0:
         assert rc == 0 and "PLANT-OK" in out, out[-3000:]
     else:
@@ -795,9 +800,7 @@ def test_emulated_flipped_consumer_shapes(background, tmp_path):
     # pairs and prefill (DSV41_EXP_DECODE_SYM, DSV41_EXP_NO_WG_SPLIT): symmetric pairs (S split over the
     # dims, sym_qk_ksplit), single CTAs, split requests, bf16 and fp8, and a symmetric prefill; it also runs prefill's even head groups as 2-CTA pairs (DSV41_EXP_PREFILL_PAIR), and the
     # pairs send their rows to the peer by lane st.async stores instead of cp.async.bulk (DSV41_EXP_PAIR_ST_ASYNC).
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    rc, out = background.result("flipped", lambda: _build_and_run(*_VARIANTS["flipped"], tmp_path))
+    rc, out = _variant(background, "flipped", tmp_path)
     assert rc == 0 and "SPLIT-OK" in out, out[-3000:]
 
 
@@ -824,9 +827,7 @@ def test_emulated_decode_producer_addresses(background, tmp_path):
     # gives that work back to the producers: pairs over several requests and splits, bf16 rows, masked and
     # invalid tokens. The same build runs the DSV41_EXP_WG0_PV_LATE experiment (warpgroup 0's PV in flight
     # across the wait for the next tile; the emulator fails a wgmma whose operands change in flight).
-    if cbuild.find_cxx() is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    rc, out = background.result("producer", lambda: _build_and_run(*_VARIANTS["producer"], tmp_path))
+    rc, out = _variant(background, "producer", tmp_path)
     assert rc == 0 and "WG1-ADDR-OK" in out, out[-3000:]
 
 
