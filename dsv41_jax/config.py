@@ -190,7 +190,12 @@ class DeepseekV4AttentionConfig:
         fields, top_ignored, composite, name = resolve_hf_config(source)
         rec = KeyRecorder(fields)
         nested_ignored: list[str] = []
-        cfg = cls._from_fields(rec, nested_ignored)
+        try:
+            cfg = cls._from_fields(rec, nested_ignored)
+        except (TypeError, ValueError) as e:
+            if not composite:
+                raise
+            raise type(e)(f"in {TEXT_CONFIG} of the composite config: {e}") from None  # where the key is
         prefix = f"{TEXT_CONFIG}." if composite else ""
         used = tuple(prefix + k for k in rec.used)
         ignored = top_ignored + tuple(prefix + k for k in sorted(rec.ignored + tuple(nested_ignored)))

@@ -476,3 +476,15 @@ def test_replace_validates():
         V41_FLASH.replace(sliding_window=0)
     with pytest.raises(ValueError, match="compress_ratios"):
         V41_FLASH.replace(compress_ratios=(0,) * 42 + (3,))
+
+
+def test_composite_config_errors_say_the_keys_are_under_text_config():
+    with pytest.raises(ValueError, match=r"in text_config of the composite config: config is missing required key "
+                                         r"'num_hidden_layers'"):
+        DeepseekV4AttentionConfig.from_hf_config({"architectures": ["X"], "text_config": {"hidden_size": 8}})
+    hf = V41_FLASH.to_hf_config()
+    hf["hidden_size"] = "big"
+    with pytest.raises(TypeError, match=r"in text_config of the composite config: config key 'hidden_size' must be int"):
+        DeepseekV4AttentionConfig.from_hf_config({"text_config": hf})
+    with pytest.raises(TypeError, match=r"^config key 'hidden_size' must be int"):  # the flat form: no prefix
+        DeepseekV4AttentionConfig.from_hf_config(hf)
