@@ -19,7 +19,7 @@ registered with `jax.ffi.register_ffi_target(..., platform="CUDA")`, on first us
 `jax.default_backend() == "gpu"`, the first device has compute capability 9.x or 10.x and the
 library holds its architecture (build_info.json's archs, when the build wrote one).
 
-Kernel design, numerics, padding and limits: `cuda_ffi/kernels.cuh`, `cuda_ffi/_ops.py` and
+Kernel design, numerics, padding and limits: `cuda_ffi/kernels.cuh`, `cuda_ffi/ops.py` and
 `benchmarks/cuda_notes.md`. Cache formats read: "bf16" and "fp8_ds_mla" (`supports` turns the
 others away, so `impl="auto"` falls back to another implementation for them).
 """
@@ -33,8 +33,9 @@ import os
 import threading
 from pathlib import Path
 
-from cuda_ffi import _ops, build
-from cuda_ffi._ops import DECODE_TARGET, PLAN_TARGET, PREFILL_TARGET, decode_supports, prefill_supports
+from cuda_ffi import build
+from cuda_ffi import ops as _ops
+from cuda_ffi.ops import DECODE_TARGET, PLAN_TARGET, PREFILL_TARGET, decode_supports, prefill_supports
 
 __all__ = [
     "library_path",
@@ -230,12 +231,12 @@ def backend_unavailable_reason(*, build_missing: bool = True) -> str | None:
 
 
 def decode(call):
-    """The registered decode implementation (see `cuda_ffi._ops.decode`)."""
+    """The registered decode implementation (see `cuda_ffi.ops.decode`)."""
     return _ops.decode(call)
 
 
 def prefill(call):
-    """The registered prefill implementation (see `cuda_ffi._ops.prefill`)."""
+    """The registered prefill implementation (see `cuda_ffi.ops.prefill`)."""
     return _ops.prefill(call)
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from cuda_ffi import _ops
+from cuda_ffi import ops as _ops
 from dsv41_jax.plans import DecodePlan
 from dsv41_jax.scheduler import num_sm_parts_for
 

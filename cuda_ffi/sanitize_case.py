@@ -26,7 +26,7 @@ def main() -> int:
     for what, dec in decodes:
         out, lse = jax.block_until_ready(d.sparse_mla_decode(*dec.args(), **dec.kwargs(), impl="cuda"))
         dec.check(out, lse, what)
-    from cuda_ffi import _ops
+    from cuda_ffi import ops as _ops
 
     prefills = [("bf16", make_prefill_case(6, s_q=9, h_q=64, topk=256, s_kv=300)),
                 ("f16", make_prefill_case(8, s_q=5, h_q=128, topk=320, s_kv=300, sink="inf"))]

@@ -1,6 +1,6 @@
 // dsv41 sparse MLA prefill over f16 KV rows: the "seesaw" CTA (sm_90a wgmma builds).
 //
-// Used when the JAX wrapper hands the kernel f16 rows (cuda_ffi/_ops.py converts bf16 kv once, in
+// Used when the JAX wrapper hands the kernel f16 rows (cuda_ffi/ops.py converts bf16 kv once, in
 // XLA, when the conversion costs less than the gathered rows it serves): the rows then need no
 // conversion, so the producers copy them with cp.async straight into the K buffers and hold no
 // registers across the copy latency, and the consumers can share the tensor work evenly. Other

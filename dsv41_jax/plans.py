@@ -194,7 +194,7 @@ def make_plans(
         return {n: plan(*_invariant_arrays(b, topk, et), et) for n, (_, et) in norm.items()}
     how = resolve_planner(planner)
     if how == "device":
-        from cuda_ffi import _ops
+        from cuda_ffi import ops as _ops
 
         names = list(norm)
         meta, splits = _ops.plan_on_device(tl, [norm[n] for n in names], topk=topk, num_sm_parts=parts,

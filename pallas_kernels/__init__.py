@@ -20,7 +20,7 @@ from __future__ import annotations
 from dsv41_jax.attention import DecodeCall, PrefillCall, register_decode_impl, register_prefill_impl
 from dsv41_jax.backends import register_impl_availability
 
-from pallas_kernels import _ops
+from pallas_kernels import ops as _ops
 
 __all__ = ["availability_reason", "decode", "prefill", "supports_decode", "supports_prefill", "num_splits_override",
            "kernel_options"]

@@ -2,7 +2,7 @@
 
 A *row* is one query token (decode: one (request, s_q) pair; prefill: one query). Each row attends
 over the union of up to two token *pools* (decode: the main and the extra cache; prefill: `kv`),
-each given per row as a list of byte offsets / row numbers (-1 = masked) prepared by `_ops.py`.
+each given per row as a list of byte offsets / row numbers (-1 = masked) prepared by `ops.py`.
 
 Program (CTA) = (row, split, 64-head group), a 1-D grid (rows may exceed 65535); heads are padded
 to a multiple of 64 by the caller (the wgmma M is 64). Three warpgroups (Pallas "threads", "wg"),

@@ -285,7 +285,7 @@ DECODE_IDS = [name for name, _ in DECODE_GRID]
 def test_emulated_decode_grid(emu, name):
     i = DECODE_IDS.index(name)
     kw = DECODE_GRID[i][1]
-    if kw["fmt"] not in cuda_ffi._ops.FORMAT_CODES or (kw.get("extra") or {}).get("fmt", "bf16") not in cuda_ffi._ops.FORMAT_CODES:
+    if kw["fmt"] not in cuda_ffi.ops.FORMAT_CODES or (kw.get("extra") or {}).get("fmt", "bf16") not in cuda_ffi.ops.FORMAT_CODES:
         pytest.skip(f"cuda kernels do not read {kw['fmt']} / {(kw.get('extra') or {}).get('fmt')} (impl='auto' falls back)")
     _check_decode(make_decode_case(100 + i, **kw))
 
@@ -488,7 +488,7 @@ def test_emulated_prefill_two_groups_and_seeds(emu, kv_f16):
 
 
 def test_handler_checks_name_the_argument(emu):
-    from cuda_ffi import _ops
+    from cuda_ffi import ops as _ops
     from cuda_ffi.emulate import run_decode_ffi, run_prefill_ffi
 
     case = make_decode_case(25, fmt="fp8_ds_mla", topk=64, h_q=4)

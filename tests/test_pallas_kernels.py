@@ -286,7 +286,7 @@ def test_kernel_spec_checks_and_smem():
 def test_operand_mode_choice():
     """f16 operands for prefill when converting kv costs less than the P_lo wgmma saved, never by
     default for decode; f16 needs the direct kernel with the score exchange."""
-    from pallas_kernels import _ops
+    from pallas_kernels import ops as _ops
     from pallas_kernels._kernel import KernelSpec, PoolSpec
 
     assert _ops.prefill_rows_f16(65536, 4096, 2048, 128)  # the benchmark's prefill
@@ -308,7 +308,7 @@ def test_fp8_scale_factor_operand():
     import jax.numpy as jnp
 
     from dsv41_jax import kv_cache as kvc
-    from pallas_kernels import _ops
+    from pallas_kernels import ops as _ops
 
     rng = np.random.default_rng(5)
     bs, nb = 3, 40

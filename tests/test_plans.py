@@ -109,7 +109,7 @@ def test_plan_type_and_batch_invariant_conflicts():
 def test_cuda_refuses_a_plan_for_other_sm_parts():
     # impl="cuda" needs num_sm_parts_for("cuda", device SMs, s_q, h_q) parts: a plan for another SM count or head
     # count is refused at trace time (checked in the cuda wrapper, no GPU needed)
-    from cuda_ffi import _ops
+    from cuda_ffi import ops as _ops
 
     case = _case()
     call = d.attention._make_decode_call(*case.args(), case.kv_format, case.block_size, case.softmax_scale,

@@ -27,7 +27,7 @@ if jax.default_backend() != "gpu":
     pytest.skip(f"needs a CUDA GPU: jax.default_backend() is {jax.default_backend()!r}", allow_module_level=True)
 
 import cuda_ffi  # noqa: E402
-from cuda_ffi import _ops  # noqa: E402
+from cuda_ffi import ops as _ops  # noqa: E402
 from dsv41_jax import make_decode_plan, num_sm_parts_for, plan_decode_splits, sparse_mla_decode, sparse_mla_prefill  # noqa: E402
 from dsv41_jax.scheduler import default_num_sms  # noqa: E402
 from dsv41_jax.attention import _make_decode_call  # noqa: E402
@@ -90,7 +90,7 @@ PREFILL_IDS = [n for n, _ in PREFILL_GRID]
 def kv_rows(request, monkeypatch):
     """Both prefill kernels: bf16 rows converted by the producers, or kv converted to f16 by the
     wrapper (the seesaw CTA, seesaw.cuh), whatever `prefill_kv_f16` would pick for the shape."""
-    import cuda_ffi._ops as ops
+    import cuda_ffi.ops as ops
 
     monkeypatch.setattr(ops, "prefill_kv_f16", lambda *a: request.param)
     return request.param
