@@ -5,6 +5,10 @@ reference (`impl="xla"`), Pallas Mosaic GPU kernels (`impl="pallas"`) and CUDA k
 XLA FFI (`impl="cuda"`). Everything public is importable from this module.
 """
 
+from dsv41_jax import _moved
+
+_moved.install()
+
 from dsv41_jax import (attention, backends, buckets, checkpoint, config, engine_stats, envelope, hf_config, kv_cache,
                        layer_types, metadata, plans, reference, rope, scheduler)
 from dsv41_jax.attention import (

@@ -1,0 +1,42 @@
+"""Module paths that moved: each old path is an alias of the module that holds its code now.
+
+`import dsv41_jax.attention` (an old path) returns the very module object of its new home, so names,
+`isinstance` checks and monkeypatching behave as with the new path. The finder only answers for the
+paths listed here and imports nothing until one of them is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+__all__ = ["MOVED_MODULES", "install"]
+
+# old module path -> the module that holds it now
+MOVED_MODULES: dict[str, str] = {}
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return importlib.import_module(MOVED_MODULES[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """The new module has run already (`create_module` imported it)."""
+
+
+_FINDER = _AliasFinder()
+
+
+def install() -> None:
+    """Put the alias finder on `sys.meta_path` (once)."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
