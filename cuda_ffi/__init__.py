@@ -8,14 +8,14 @@ GPU of compute capability 9.x / 10.x is the default device and nvcc and cmake ar
 per source version, logged on the `dsv41_jax` logger; `DSV41_CUDA_AUTOBUILD=0` turns it off); on such a
 GPU a library that cannot be had (nvcc or cmake missing, the build off or failed) is logged once at
 WARNING, whichever implementation then runs. Without the library this package imports fine and
-registers nothing but the probe, whose reason says what is missing and what to do
-(`python -m dsv41_jax.info` prints it).
+`unavailable_reason` says what is missing and what to do (`python -m dsv41_jax.info` prints it).
 
-Importing never touches a GPU. When the library file exists, the "cuda" decode and prefill
-implementations are registered with `dsv41_jax.attention` (so CPU tests can trace and lower
-them for the CUDA platform); the library itself is loaded with ctypes, and its FFI targets
-registered with `jax.ffi.register_ffi_target(..., platform="CUDA")`, on first use.
-`impl="auto"` picks "cuda" only when `backend_unavailable_reason()` is None: the library loads,
+Importing never touches a GPU. This package is the "cuda" row of the core's implementation table
+(`dsv41_jax.sparse_mla.implementations`, which imports it on first use): `decode`, `prefill`, their
+`*_supports` predicates, `installed` and `unavailable_reason`. When the library file exists, "cuda"
+is installed (so CPU tests can trace and lower it for the CUDA platform); the library itself is loaded
+with ctypes, and its FFI targets registered with `jax.ffi.register_ffi_target(..., platform="CUDA")`,
+on first use. `impl="auto"` picks "cuda" only when `backend_unavailable_reason()` is None: the library loads,
 `jax.default_backend() == "gpu"`, the first device has compute capability 9.x or 10.x and the
 library holds its architecture (build_info.json's archs, when the build wrote one).
 
@@ -52,6 +52,8 @@ __all__ = [
     "PLAN_TARGET",
     "PREFILL_TARGET",
     "EXPORTED_SYMBOLS",
+    "installed",
+    "unavailable_reason",
     "refresh",
 ]
 
@@ -189,7 +191,7 @@ def _arch_reason() -> str | None:
 
 
 def _build_on_first_use() -> str | None:
-    """Build the library into the cache now and register the implementations; None on success, else why not."""
+    """Build the library into the cache now; None on success, else why not."""
     global _build_error
     if os.environ.get("DSV41_CUDA_LIB") or _autobuild_off() or build.missing_tools():
         why = _missing_reason()
@@ -231,27 +233,30 @@ def backend_unavailable_reason(*, build_missing: bool = True) -> str | None:
 
 
 def decode(call):
-    """The registered decode implementation (see `cuda_ffi.ops.decode`)."""
+    """The decode implementation (see `cuda_ffi.ops.decode`)."""
     return _ops.decode(call)
 
 
 def prefill(call):
-    """The registered prefill implementation (see `cuda_ffi.ops.prefill`)."""
+    """The prefill implementation (see `cuda_ffi.ops.prefill`)."""
     return _ops.prefill(call)
 
 
+def installed() -> bool:
+    """Whether impl="cuda" can be traced here: the library file exists (`library_present`); whether it can
+    run on the default device is `unavailable_reason`. Read by the core's implementation table
+    (`dsv41_jax.sparse_mla.implementations`) on every dispatch."""
+    return library_present()
+
+
+def unavailable_reason() -> str | None:
+    """The implementation table's availability probe: `backend_unavailable_reason()` (which may run the
+    first-use build)."""
+    return backend_unavailable_reason()
+
+
 def refresh() -> bool:
-    """(Re-)register the "cuda" implementations if the library file exists now (e.g. right after
-    `cuda_ffi.build.build_library()` in the same process). Returns whether it exists."""
-    from dsv41_jax.attention import register_decode_impl, register_prefill_impl
-    from dsv41_jax.backends import register_impl_availability
-
-    register_impl_availability("cuda", backend_unavailable_reason)
-    if library_present():
-        register_decode_impl("cuda", decode, supports=decode_supports)
-        register_prefill_impl("cuda", prefill, supports=prefill_supports)
-        return True
-    return False
-
-
-refresh()
+    """Whether the library file exists now (e.g. right after `cuda_ffi.build.build_library()` in the same
+    process). The core asks `installed()` on every dispatch, so a library built in this process is used
+    without anything to re-register."""
+    return library_present()

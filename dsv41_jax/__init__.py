@@ -9,9 +9,12 @@ from dsv41_jax import _moved
 
 _moved.install()
 
-from dsv41_jax import (attention, backends, buckets, checkpoint, config, engine_stats, envelope, hf_config, kv_cache,
-                       layer_types, metadata, plans, reference, rope, scheduler)
-from dsv41_jax.attention import (
+from dsv41_jax import buckets, device, kv_cache, metadata, plans, rope, scheduler, sparse_mla
+from dsv41_jax import checkpoint, config, engine_stats, envelope, hf_config, layer_types
+from dsv41_jax import attention, backends, reference  # old paths of sparse_mla.api / .capabilities / .reference
+from dsv41_jax.device import DeviceInfo
+from dsv41_jax.kv_cache import KV_FORMATS, LATENT_DIM, canonical_kv_cache_dtype, canonical_kv_format
+from dsv41_jax.sparse_mla.api import (
     AUTO_ORDER,
     DecodeCall,
     ImplCandidate,
@@ -23,7 +26,7 @@ from dsv41_jax.attention import (
     sparse_mla_mega_prefill,
     sparse_mla_prefill,
 )
-from dsv41_jax.backends import (
+from dsv41_jax.sparse_mla.capabilities import (
     CUDA_SPARSE_DSV41,
     FLASHMLA_MEGA_ATTN_DSV41,
     FLASHMLA_SPARSE_DSV41,
@@ -31,8 +34,6 @@ from dsv41_jax.backends import (
     XLA_SPARSE_DSV41,
     BackendSelectionError,
     BackendSpec,
-    DeviceInfo,
-    canonical_kv_cache_dtype,
     register_backend,
     registered_backends,
     select_backend,
@@ -112,4 +113,35 @@ def __getattr__(name):
         return value
     raise AttributeError(f"module 'dsv41_jax' has no attribute {name!r}")
 
+
 __version__ = "0.1.0"
+
+__all__ = [
+    # modules
+    "buckets", "checkpoint", "config", "device", "engine_stats", "envelope", "hf_config", "kv_cache", "layer_types",
+    "metadata", "plans", "rope", "scheduler", "sharding", "sparse_mla", "attention", "backends", "reference",
+    # the ops and their dispatch
+    "sparse_mla_decode", "sparse_mla_prefill", "sparse_mla_mega_decode", "sparse_mla_mega_prefill",
+    "explain_impl", "ImplChoice", "ImplCandidate", "AUTO_ORDER", "DecodeCall", "PrefillCall",
+    # backend capabilities
+    "BackendSpec", "BackendSelectionError", "DeviceInfo", "select_backend", "register_backend",
+    "registered_backends", "FLASHMLA_SPARSE_DSV41", "FLASHMLA_MEGA_ATTN_DSV41", "CUDA_SPARSE_DSV41",
+    "PALLAS_SPARSE_DSV41", "XLA_SPARSE_DSV41",
+    # cache formats
+    "LATENT_DIM", "KV_FORMATS", "canonical_kv_format", "canonical_kv_cache_dtype",
+    # padding, plans, scheduling
+    "DEFAULT_BUCKETS", "BucketPolicy", "DecodePlan", "make_decode_plan", "plan_is_stale", "num_sm_parts_for",
+    "plan_decode_splits",
+    # metadata
+    "CommonAttentionMetadata", "DecodePrefillSplit", "DeepseekSparseSWAMetadata", "DeepseekV4FlashMLAMetadata",
+    "PrefillChunk", "build_flashmla_metadata", "build_sparse_swa_metadata", "combine_topk_swa_indices",
+    "compressed_slot_mapping", "decode_threshold", "global_topk_indices", "make_common_attention_metadata",
+    "prefill_chunk_plan", "prefill_gather_lens", "prefill_workspace_slots", "reorder_decodes_first",
+    "split_decodes_and_prefills", "swa_window_indices", "token_positions", "token_to_req_indices",
+    # the model side
+    "Checkpoint", "TensorInfo", "open_checkpoint", "write_checkpoint", "PRESETS", "TINY", "V4_FLASH", "V41_FLASH",
+    "DeepseekV4AttentionConfig", "HFConfigKeys", "LayerRole", "RopeScaling", "get_preset", "GenerateStats",
+    "StepTiming", "WarmupStats", "ServingLimits", "StepShape", "envelope_shapes", "DecodePlanSpec",
+    "decode_plan_spec", "deepseek_v40_layer_type", "deepseek_v41_layer_type", "required_layer_types",
+    *_LAZY,
+]

@@ -17,7 +17,11 @@ import types
 __all__ = ["MOVED_MODULES", "install"]
 
 # old module path -> the module that holds it now
-MOVED_MODULES: dict[str, str] = {}
+MOVED_MODULES: dict[str, str] = {
+    "dsv41_jax.attention": "dsv41_jax.sparse_mla.api",
+    "dsv41_jax.backends": "dsv41_jax.sparse_mla.capabilities",
+    "dsv41_jax.reference": "dsv41_jax.sparse_mla.reference",
+}
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

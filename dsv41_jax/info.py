@@ -1,7 +1,7 @@
 """`python -m dsv41_jax.info`: what this install can run, and what to do for what it cannot.
 
 Reports the python, jax, jaxlib (and jax CUDA plugin) versions; the devices (platform, kind, compute
-capability, SMs) and the SM count split planning uses (`scheduler.default_num_sms`); for each
+capability, SMs) and the SM count split planning uses (`device.default_num_sms`); for each
 implementation, in the order `impl="auto"` tries them, whether it imports, whether it can run here,
 why not and the fix; the CUDA library (the path it loads from, its build_info.json: archs, nvcc,
 commit) and the build tools. It asks the availability probes without building anything
@@ -81,7 +81,7 @@ def _version(dist: str) -> str | None:
 def _devices() -> tuple[str, tuple[DeviceSummary, ...], str | None]:
     import jax
 
-    from dsv41_jax.backends import DeviceInfo
+    from dsv41_jax.device import DeviceInfo
 
     try:
         backend, devs = jax.default_backend(), jax.devices()
@@ -100,7 +100,8 @@ def _devices() -> tuple[str, tuple[DeviceSummary, ...], str | None]:
 
 def _gpu_suitable() -> bool:
     """Whether the default device is a GPU the pallas and cuda kernels are written for."""
-    from dsv41_jax.backends import CUDA_SPARSE_DSV41, DeviceInfo
+    from dsv41_jax.device import DeviceInfo
+    from dsv41_jax.sparse_mla.capabilities import CUDA_SPARSE_DSV41
 
     try:
         info = DeviceInfo.default()
@@ -148,8 +149,8 @@ def report() -> Report:
     import jax
 
     import dsv41_jax
-    from dsv41_jax.attention import AUTO_ORDER
-    from dsv41_jax.scheduler import default_num_sms
+    from dsv41_jax.device import default_num_sms
+    from dsv41_jax.sparse_mla.capabilities import AUTO_ORDER
 
     backend, devices, error = _devices()
     gpu_ok = _gpu_suitable()

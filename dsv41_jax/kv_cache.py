@@ -64,16 +64,20 @@ garbage or NaN in unused pages never reaches the result.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.backends import canonical_kv_cache_dtype
-
 __all__ = [
+    "KV_FORMATS",
+    "KV_FORMAT_ALIASES",
+    "canonical_kv_format",
     "FORMATS",
+    "KV_CACHE_FORMATS",
+    "canonical_kv_cache_dtype",
     "LATENT_DIM",
     "NOPE_DIM",
     "ROPE_DIM",
@@ -95,13 +99,32 @@ __all__ = [
     "f16_rows_pay",
 ]
 
-FORMATS = ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
-LATENT_DIM = 512
+LATENT_DIM = 512  # the MLA latent: K = V, one KV head; every op, cache and kernel of the library has this width
+KV_FORMATS = ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
+# vLLM's cache dtype names: "auto" is the model's native record, the V4 584-byte one, for every backend
+KV_FORMAT_ALIASES = types.MappingProxyType({"fp8": "fp8_ds_mla", "auto": "fp8_ds_mla", "bfloat16": "bf16"})
+FORMATS = KV_FORMATS  # older name
+KV_CACHE_FORMATS = KV_FORMATS  # the name `dsv41_jax.backends` exported
 NOPE_DIM = 448
 ROPE_DIM = 64
 
 _E4M3_MAX = 448.0
 F16_MAX = 65504.0
+
+
+def canonical_kv_format(name: Any, *, arg: str = "kv_format") -> str:
+    """Resolve the aliases ("fp8", "auto", "bfloat16") to one of `KV_FORMATS`; errors name `arg`."""
+    if not isinstance(name, str):
+        raise TypeError(f"{arg} must be a str, got {type(name).__name__} {name!r}")
+    kv_format = KV_FORMAT_ALIASES.get(name, name)
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"{arg} must be one of {list(KV_FORMATS) + sorted(KV_FORMAT_ALIASES)}, got {name!r}")
+    return kv_format
+
+
+def canonical_kv_cache_dtype(name: Any) -> str:
+    """`canonical_kv_format` under vLLM's name of the concept (`kv_cache_dtype`), which its errors use."""
+    return canonical_kv_format(name, arg="kv_cache_dtype")
 
 
 def to_f16_saturating(x: Any) -> jax.Array:
@@ -115,10 +138,10 @@ def to_f16_saturating(x: Any) -> jax.Array:
 def f16_rows_pay(s_kv: int, s_q: int, topk: int, heads: int) -> bool:
     """Whether a prefill should convert its bf16 kv rows to f16 once (`to_f16_saturating`: one read + write of
     2 KiB per row, ~0.6 ns per row on an H200) for a kernel that then runs on f16 rows: when the rows are
-    re-read often enough, s_kv <= s_q * topk * heads / 512. Measured savings on the H200 (s_q 4096, h 128,
+    re-read often enough, s_kv <= s_q * topk * heads / LATENT_DIM. Measured savings on the H200 (s_q 4096, h 128,
     topk 2048): pallas one P V wgmma instead of two, 1.76 of 6.87 ms; cuda the seesaw CTA, 5.69 -> 3.58 ms
     (benchmarks/RESULTS.md)."""
-    return s_kv * 512 <= s_q * topk * heads
+    return s_kv * LATENT_DIM <= s_q * topk * heads
 _AMAX_FLOOR = 1e-4
 _FP8_NOPE_TILE = 64  # fp8_ds_mla
 _MXFP8_TILE = 32
@@ -166,10 +189,10 @@ def _fmt(fmt: Any) -> str:
     if not isinstance(fmt, str):
         raise TypeError(f"fmt must be a str, got {type(fmt).__name__} {fmt!r}")
     try:
-        return canonical_kv_cache_dtype(fmt)
+        return canonical_kv_format(fmt)
     except ValueError:
         raise ValueError(
-            f"fmt must be one of {list(FORMATS)} (or an alias 'fp8', 'auto', 'bfloat16'), got {fmt!r}"
+            f"fmt must be one of {list(KV_FORMATS)} (or an alias 'fp8', 'auto', 'bfloat16'), got {fmt!r}"
         ) from None
 
 

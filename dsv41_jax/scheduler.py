@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsv41_jax.device import DEFAULT_NUM_SMS, default_num_sms
+
 __all__ = ["plan_decode_splits", "num_sm_parts_for", "default_num_sms", "SCHED_META_FIELDS", "DEFAULT_NUM_SMS"]
 
 SCHED_META_FIELDS = (
@@ -24,20 +26,6 @@ SCHED_META_FIELDS = (
     "is_first_req_splitted", "is_last_req_splitted", "pad",
 )
 _I32 = jnp.int32
-DEFAULT_NUM_SMS = 132  # H100 / H200
-
-
-def default_num_sms() -> int:
-    """SM count of the default device when it is a GPU (`core_count`), else DEFAULT_NUM_SMS."""
-    try:
-        dev = jax.devices()[0]
-        if dev.platform == "gpu":
-            n = getattr(dev, "core_count", None)
-            if isinstance(n, (int, np.integer)) and n > 0:
-                return int(n)
-    except Exception:  # noqa: BLE001 - no device to ask: the default stands
-        pass
-    return DEFAULT_NUM_SMS
 
 
 def _static_int(name, v, lo):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsv41_jax.attention import sparse_mla_decode, sparse_mla_prefill
+from dsv41_jax.sparse_mla.api import sparse_mla_decode, sparse_mla_prefill
 from dsv41_jax.plans import DecodePlan, make_decode_plan
 
 __all__ = ["sparse_mla_decode_sharded", "sparse_mla_prefill_sharded", "make_decode_plan_sharded", "local_block_tables",

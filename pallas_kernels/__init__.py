@@ -1,10 +1,10 @@
 """`impl="pallas"`: sparse MLA decode and prefill as Pallas Mosaic GPU kernels (`plgpu.kernel`).
 
-Importing this package touches no GPU: it registers the decode and prefill implementations with
-`dsv41_jax.attention` (always, so CPU tests can trace and interpret them) and an availability
-probe with `dsv41_jax.backends` that reports the kernels runnable only when the default JAX
-backend is a GPU of compute capability 9.x (Hopper) or 10.x (Blackwell, which runs the same
-SM90-style wgmma kernel for now).
+Importing this package touches no GPU. It is the "pallas" row of the core's implementation table
+(`dsv41_jax.sparse_mla.implementations`, which imports it on first use): `decode`, `prefill`, their
+`*_supports` predicates (always installed, so CPU tests can trace and interpret them) and
+`unavailable_reason`, which reports the kernels runnable only when the default JAX backend is a GPU of
+compute capability 9.x (Hopper) or 10.x (Blackwell, which runs the same SM90-style wgmma kernel).
 
 Formats read: "bf16" and "fp8_ds_mla" (main and extra cache, any page size, any mix).
 "mxfp8_ds_mla" / "nvfp4_ds_mla" calls are refused by `supports`, so `impl="auto"` falls back
@@ -17,13 +17,12 @@ Design, numbers and limits: `pallas_kernels._kernel` and benchmarks/pallas_notes
 
 from __future__ import annotations
 
-from dsv41_jax.attention import DecodeCall, PrefillCall, register_decode_impl, register_prefill_impl
-from dsv41_jax.backends import register_impl_availability
+from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
 
 from pallas_kernels import ops as _ops
 
 __all__ = ["availability_reason", "decode", "prefill", "supports_decode", "supports_prefill", "num_splits_override",
-           "kernel_options"]
+           "kernel_options", "decode_supports", "prefill_supports", "unavailable_reason"]
 
 decode = _ops.decode
 prefill = _ops.prefill
@@ -60,6 +59,7 @@ def supports_prefill(call: PrefillCall) -> str | None:
     return None
 
 
-register_decode_impl("pallas", decode, supports=supports_decode)
-register_prefill_impl("pallas", prefill, supports=supports_prefill)
-register_impl_availability("pallas", availability_reason)
+# The names the core's implementation table reads (dsv41_jax.sparse_mla.implementations).
+decode_supports = supports_decode
+prefill_supports = supports_prefill
+unavailable_reason = availability_reason

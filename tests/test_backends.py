@@ -1,4 +1,5 @@
-"""Backend descriptors (the seed's capability flags), supports_combination and select_backend."""
+"""Backend descriptors (the seed's capability flags), supports_combination and select_backend
+(`dsv41_jax.sparse_mla.capabilities`, also at its old path `dsv41_jax.backends`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax import (
+    AUTO_ORDER,
     FLASHMLA_MEGA_ATTN_DSV41,
     FLASHMLA_SPARSE_DSV41,
     PALLAS_SPARSE_DSV41,
@@ -23,15 +25,16 @@ from dsv41_jax import (
     registered_backends,
     select_backend,
 )
+from dsv41_jax.sparse_mla import capabilities, implementations
+from dsv41_jax.sparse_mla.capabilities import BUILTIN_BACKENDS, auto_order
 
 SM90, SM100, SM80, SM120 = (9, 0), (10, 0), (8, 0), (12, 0)
 
 
 @pytest.fixture
 def isolated_registry(monkeypatch):
-    """Let a test add backends / availability probes without touching the global registry."""
+    """Let a test add backends without touching the global registry."""
     monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
-    monkeypatch.setattr(backends, "_IMPL_AVAILABILITY", dict(backends._IMPL_AVAILABILITY))
 
 
 def combo(spec, **kw):
@@ -188,18 +191,25 @@ def test_selection_error_mega_on_cpu_without_xla():
     assert any("platform" in x for x in reasons["FLASHMLA_MEGA_ATTN_DSV41"])
 
 
-def test_require_available_rejects_unbuilt_impls(isolated_registry):
-    backends._IMPL_AVAILABILITY.pop("cuda", None)
-    backends._IMPL_AVAILABILITY.pop("pallas", None)
+def test_require_available_rejects_unbuilt_impls(monkeypatch):
+    import cuda_ffi
+    import pallas_kernels
+
+    # an implementation whose package does not import is rejected with the import error
+    monkeypatch.delitem(implementations._loaded, "cuda", raising=False)
+    monkeypatch.setitem(implementations._import_errors, "cuda", "import cuda_ffi failed: ImportError: test")
+    monkeypatch.setattr(pallas_kernels, "unavailable_reason", lambda: "pallas: no GPU (test)")
     got = select_backend(platform="cuda", compute_capability="9.0", block_size=64)
     assert got is XLA_SPARSE_DSV41
     with pytest.raises(BackendSelectionError) as e:
         select_backend(platform="cuda", compute_capability="9.0", block_size=64, impls=["cuda"])
-    assert any("not registered" in x for x in e.value.reasons["FLASHMLA_SPARSE_DSV41"])
+    assert any("import cuda_ffi failed" in x for x in e.value.reasons["FLASHMLA_SPARSE_DSV41"])
+    monkeypatch.undo()
     # once the implementation reports itself available, it is picked
-    backends.register_impl_availability("cuda", lambda: None)
+    implementations.load("cuda")
+    monkeypatch.setattr(cuda_ffi, "unavailable_reason", lambda: None)
     assert select_backend(platform="cuda", compute_capability="9.0", block_size=64) is FLASHMLA_SPARSE_DSV41
-    backends.register_impl_availability("cuda", lambda: "libdsv41_cuda.so not built")
+    monkeypatch.setattr(cuda_ffi, "unavailable_reason", lambda: "libdsv41_cuda.so not built")
     with pytest.raises(BackendSelectionError) as e:
         select_backend(platform="cuda", compute_capability="9.0", block_size=64, impls=["cuda"])
     assert "libdsv41_cuda.so not built" in e.value.reasons["FLASHMLA_SPARSE_DSV41"]
@@ -207,10 +217,31 @@ def test_require_available_rejects_unbuilt_impls(isolated_registry):
     def boom():
         raise RuntimeError("probe exploded")
 
-    backends.register_impl_availability("cuda", boom)
+    monkeypatch.setattr(cuda_ffi, "unavailable_reason", boom)
     with pytest.raises(BackendSelectionError) as e:
         select_backend(platform="cuda", compute_capability="9.0", block_size=64, impls=["cuda"])
     assert any("probe exploded" in x for x in e.value.reasons["FLASHMLA_SPARSE_DSV41"])
+
+
+def test_the_mega_descriptor_says_no_kernel_of_this_library_serves_it():
+    """FLASHMLA_MEGA_ATTN_DSV41 records FlashMLA's fused SM100 kernel; the mega ops run the xla reference."""
+    assert FLASHMLA_MEGA_ATTN_DSV41.impl is None and "xla reference" in FLASHMLA_MEGA_ATTN_DSV41.notes
+    sm100_mega = dict(platform="cuda", compute_capability="10.0", block_size=128, mega=True)
+    assert select_backend(**sm100_mega, require_available=False) is FLASHMLA_MEGA_ATTN_DSV41  # the capability
+    assert select_backend(**sm100_mega) is XLA_SPARSE_DSV41  # what runs
+    with pytest.raises(BackendSelectionError) as e:
+        select_backend(**sm100_mega, impls=["cuda"], require_available=False)
+    assert any("no implementation of this library" in x for x in e.value.reasons["FLASHMLA_MEGA_ATTN_DSV41"])
+
+
+def test_auto_order_comes_from_the_priorities():
+    assert backends is capabilities  # the old path is the module itself
+    assert AUTO_ORDER == ("cuda", "pallas", "xla") == auto_order(BUILTIN_BACKENDS)
+    assert set(AUTO_ORDER) == set(implementations.IMPLEMENTATIONS)
+    flipped = [dataclasses.replace(s, priority=100) if s.impl == "pallas" else s for s in BUILTIN_BACKENDS]
+    assert auto_order(flipped) == ("pallas", "cuda", "xla")
+    with pytest.raises(ValueError, match="spec.impl"):
+        register_backend(dataclasses.replace(XLA_SPARSE_DSV41, name="TEST_TRITON", impl="triton"))
 
 
 def test_register_backend(isolated_registry):

@@ -1,7 +1,7 @@
 """The CUDA library's first-use build: where it goes, when it runs, what it says when it cannot.
 
-A GPU default device is simulated by `cuda_ffi._device_reason` answering None; the registries and
-cuda_ffi's loaded-library state are copied or reset per test, so nothing leaks into other tests.
+A GPU default device is simulated by `cuda_ffi._device_reason` answering None; cuda_ffi's loaded-library
+state is reset per test, so nothing leaks into other tests.
 The real build (nvcc + cmake, sm_90a only) runs where both tools are found and is skipped otherwise.
 """
 
@@ -14,12 +14,12 @@ import pytest
 
 import cuda_ffi
 from cuda_ffi import build as cbuild
-from dsv41_jax import attention, backends
+from dsv41_jax.sparse_mla import implementations
 
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """No library anywhere cuda_ffi looks, a cache in tmp_path, a simulated GPU, isolated registries."""
+    """No library anywhere cuda_ffi looks, a cache in tmp_path, a simulated GPU."""
     monkeypatch.delenv("DSV41_CUDA_LIB", raising=False)
     monkeypatch.delenv("DSV41_CUDA_AUTOBUILD", raising=False)
     monkeypatch.setenv("DSV41_CUDA_CACHE", str(tmp_path / "cache"))
@@ -28,9 +28,6 @@ def fresh(monkeypatch, tmp_path):
                         ("_WARNED", set())):
         monkeypatch.setattr(cuda_ffi, name, value)
     monkeypatch.setattr(cuda_ffi, "_device_reason", lambda: None)
-    monkeypatch.setattr(attention, "_DECODE", {k: v for k, v in attention._DECODE.items() if k != "cuda"})
-    monkeypatch.setattr(attention, "_PREFILL", {k: v for k, v in attention._PREFILL.items() if k != "cuda"})
-    monkeypatch.setattr(backends, "_IMPL_AVAILABILITY", dict(backends._IMPL_AVAILABILITY))
     return tmp_path
 
 
@@ -63,7 +60,7 @@ def test_no_nvcc_on_a_gpu_is_said_not_silent(fresh, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="dsv41_jax")
     why = cuda_ffi.backend_unavailable_reason()
     assert "not built" in why and "nvcc not found" in why and "install the CUDA toolkit" in why
-    assert backends._impl_unavailable_reason("cuda") == why  # what select_backend, and so impl="auto", hears
+    assert implementations.unavailable_reason("cuda") == why  # what select_backend, and so impl="auto", hears
     # logged once, even when another kernel then runs
     assert [r.getMessage() for r in caplog.records if r.name.startswith("dsv41_jax")] == [why]
 
@@ -116,7 +113,7 @@ def test_first_use_build_compiles_into_the_cache(fresh, monkeypatch, caplog):
     assert record["archs"] == ["90a"] and "release" in record["nvcc"] and record["source_key"] == lib.parent.name
     assert record["commit"] is None or len(record["commit"]) == 40
     assert cuda_ffi.build_info() == record
-    # the implementations are registered, and a second process-level ask reuses the build
-    assert "cuda" in attention._DECODE and "cuda" in attention._PREFILL
+    # the implementation is installed, and a second process-level ask reuses the build
+    assert "cuda" in implementations.decode_impls() and "cuda" in implementations.prefill_impls()
     monkeypatch.setattr(cbuild, "build_library", lambda **kw: pytest.fail("built twice"))
     assert cbuild.build_cached() == lib

@@ -38,7 +38,8 @@ import pytest
 import cuda_ffi
 from cuda_ffi import build as cbuild
 from dsv41_jax import make_decode_plan, plan_decode_splits, plan_is_stale, sparse_mla_decode, sparse_mla_prefill
-from dsv41_jax.attention import DecodeCall, PrefillCall, _make_decode_call, _make_prefill_call
+from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
+from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call, make_prefill_call as _make_prefill_call
 from tests.attention_cases import (
     DECODE_GRID,
     PREFILL_GRID,

@@ -1,8 +1,8 @@
 """What impl="auto" runs and why: `explain_impl`, and the warning when an accelerator falls back to the reference.
 
 A GPU is simulated by making `DeviceInfo.default()` answer a compute capability 9.0 device and the
-availability probes answer as a test sets them (in copies of the registries, so nothing leaks); the
-ops themselves still run on the CPU.
+backend packages' contract functions (`unavailable_reason`, ...) answer as a test sets them (monkeypatched,
+so nothing leaks); the ops themselves still run on the CPU.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import dsv41_jax as d
-from dsv41_jax import attention, backends, kv_cache
-from dsv41_jax.backends import DeviceInfo
+from dsv41_jax import kv_cache
+from dsv41_jax.device import DeviceInfo
+from dsv41_jax.sparse_mla import api, base
 from tests.attention_cases import make_decode_case, make_prefill_case
 
 H200 = DeviceInfo("cuda", (9, 0), 132)
@@ -28,23 +29,22 @@ def _decode(case, **kw):
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A simulated H200 default device whose kernels are all available, in copies of the registries;
-    `gpu(cuda=..., pallas=...)` sets what their availability probes answer."""
+    """A simulated H200 default device whose kernels are all available; `gpu(cuda=..., pallas=...)` sets
+    what their availability probes answer."""
     monkeypatch.setenv("DSV41_CUDA_AUTOBUILD", "0")  # nothing here may start a real build
     monkeypatch.setattr(DeviceInfo, "default", classmethod(lambda cls: H200))
-    monkeypatch.setattr(backends, "_IMPL_AVAILABILITY", dict(backends._IMPL_AVAILABILITY))
-    monkeypatch.setattr(attention, "_DECODE", dict(attention._DECODE))
-    monkeypatch.setattr(attention, "_PREFILL", dict(attention._PREFILL))
-    monkeypatch.setattr(attention, "_WARNED", set())
+    monkeypatch.setattr(api, "_WARNED", set())
     import cuda_ffi
+    import pallas_kernels
 
-    # the cuda implementation as registered when its library exists; it never runs here
-    attention.register_decode_impl("cuda", lambda c: None, supports=cuda_ffi.decode_supports)
-    attention.register_prefill_impl("cuda", lambda c: None, supports=cuda_ffi.prefill_supports)
+    # the cuda implementation as it is when its library exists; it never runs here
+    monkeypatch.setattr(cuda_ffi, "installed", lambda: True)
+    monkeypatch.setattr(cuda_ffi, "decode", lambda c: None)
+    monkeypatch.setattr(cuda_ffi, "prefill", lambda c: None)
 
     def set_probes(cuda=None, pallas=None):
-        backends.register_impl_availability("cuda", lambda: cuda)
-        backends.register_impl_availability("pallas", lambda: pallas)
+        monkeypatch.setattr(cuda_ffi, "unavailable_reason", lambda: cuda)
+        monkeypatch.setattr(pallas_kernels, "unavailable_reason", lambda: pallas)
 
     set_probes()
     return set_probes
@@ -60,16 +60,15 @@ def test_explain_on_cpu_names_every_candidate_and_matches_what_runs():
     choice = _decode(case)
     assert isinstance(choice, d.ImplChoice) and choice.op == "sparse_mla_decode"
     assert choice.impl == "xla" and choice.device.platform == jax.devices()[0].platform
-    assert tuple(c.impl for c in choice.candidates) == d.attention.AUTO_ORDER == ("cuda", "pallas", "xla")
+    assert tuple(c.impl for c in choice.candidates) == d.AUTO_ORDER == ("cuda", "pallas", "xla")
     cuda, pallas, xla = choice.candidates
     assert not cuda.accepted and "FLASHMLA_SPARSE_DSV41" in cuda.reason and "platform 'cpu'" in cuda.reason
     assert not pallas.accepted and "PALLAS_SPARSE_DSV41" in pallas.reason
     assert xla.accepted and choice.declined() == (cuda, pallas)
     assert "runs 'xla'" in str(choice) and "declined" in str(choice)
     # the call record gives the same answer as the op's arguments
-    call = attention._make_decode_call(case.q, case.kv_cache, case.indices, case.topk_length, case.kv_format,
-                                       case.block_size, case.softmax_scale, case.attn_sink, None, None, None,
-                                       None, None)
+    call = base.make_decode_call(case.q, case.kv_cache, case.indices, case.topk_length, case.kv_format,
+                                 case.block_size, case.softmax_scale, case.attn_sink, None, None, None, None, None)
     assert d.explain_impl(call) == choice
     p = make_prefill_case(2, h_q=2)
     pc = d.explain_impl("prefill", p.q, p.kv, p.indices, softmax_scale=p.softmax_scale, impl="auto")
@@ -136,7 +135,7 @@ def test_explain_argument_errors():
         _decode(case, impl="triton")
     with pytest.raises(TypeError, match="q must be bfloat16"):
         d.explain_impl(d.sparse_mla_decode, case.q.astype(jnp.float32), *case.args()[1:], **case.kwargs())
-    call = attention._make_prefill_call(*(lambda p: (p.q, p.kv, p.indices, p.softmax_scale, None, None))(
+    call = base.make_prefill_call(*(lambda p: (p.q, p.kv, p.indices, p.softmax_scale, None, None))(
         make_prefill_case(2, h_q=2)))
     with pytest.raises(TypeError, match="alone"):
         d.explain_impl(call, softmax_scale=1.0)
@@ -173,7 +172,7 @@ def test_a_simulated_gpu_fallback_warns_once_per_reason(gpu, caplog):
 
 
 def test_the_cpu_reference_is_silent(caplog, monkeypatch):
-    monkeypatch.setattr(attention, "_WARNED", set())
+    monkeypatch.setattr(api, "_WARNED", set())
     caplog.set_level(logging.DEBUG, logger="dsv41_jax")
     case = make_decode_case(4, h_q=2, topk=64, fmt="mxfp8_ds_mla")
     d.sparse_mla_decode(*case.args(), **case.kwargs())
@@ -183,9 +182,10 @@ def test_the_cpu_reference_is_silent(caplog, monkeypatch):
 
 
 def test_an_explicit_unavailable_impl_says_why(monkeypatch):
-    monkeypatch.setattr(attention, "_DECODE", {k: v for k, v in attention._DECODE.items() if k != "cuda"})
-    monkeypatch.setattr(backends, "_IMPL_AVAILABILITY", dict(backends._IMPL_AVAILABILITY))
-    backends.register_impl_availability("cuda", lambda: "cuda_ffi: no library (test); install nvcc")
+    import cuda_ffi
+
+    monkeypatch.setattr(cuda_ffi, "installed", lambda: False)
+    monkeypatch.setattr(cuda_ffi, "unavailable_reason", lambda: "cuda_ffi: no library (test); install nvcc")
     case = make_decode_case(5, h_q=2, topk=64)
     with pytest.raises(ValueError, match=r"impl='cuda' is not available here.*no library \(test\); install nvcc"):
         d.sparse_mla_decode(*case.args(), **case.kwargs(), impl="cuda")

@@ -13,7 +13,7 @@ import pytest
 import cuda_ffi
 from cuda_ffi import build as cbuild
 from dsv41_jax import info
-from dsv41_jax.attention import AUTO_ORDER
+from dsv41_jax.sparse_mla.capabilities import AUTO_ORDER
 from dsv41_jax.scheduler import default_num_sms
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -112,7 +112,7 @@ def test_cuda_refuses_a_plan_for_other_sm_parts():
     from cuda_ffi import ops as _ops
 
     case = _case()
-    call = d.attention._make_decode_call(*case.args(), case.kv_format, case.block_size, case.softmax_scale,
+    call = d.sparse_mla.make_decode_call(*case.args(), case.kv_format, case.block_size, case.softmax_scale,
                                          case.attn_sink, case.extra_kv_cache, case.extra_indices,
                                          case.extra_topk_length, case.extra_kv_format, case.extra_block_size,
                                          _plan_for(case, num_sms=114))

@@ -30,7 +30,7 @@ import cuda_ffi  # noqa: E402
 from cuda_ffi import ops as _ops  # noqa: E402
 from dsv41_jax import make_decode_plan, num_sm_parts_for, plan_decode_splits, sparse_mla_decode, sparse_mla_prefill  # noqa: E402
 from dsv41_jax.scheduler import default_num_sms  # noqa: E402
-from dsv41_jax.attention import _make_decode_call  # noqa: E402
+from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call  # noqa: E402
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
     PREFILL_GRID,

@@ -28,7 +28,7 @@ if jax.default_backend() != "gpu":
     pytest.skip(f"needs a CUDA GPU: jax.default_backend() is {jax.default_backend()!r}", allow_module_level=True)
 
 import dsv41_jax as d  # noqa: E402
-from dsv41_jax import attention  # noqa: E402
+from dsv41_jax.sparse_mla import api  # noqa: E402
 from tests.attention_cases import make_decode_case  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -80,7 +80,7 @@ def test_explain_on_the_gpu_accepts_cuda_and_explains_a_fallback(caplog):
     other = make_decode_case(7, h_q=16, topk=128, fmt="mxfp8_ds_mla", block_size=64)
     fallback = d.explain_impl(d.sparse_mla_decode, *other.args(), **other.kwargs())
     assert fallback.impl == "xla" and {c.impl for c in fallback.declined()} == {"cuda", "pallas"}, str(fallback)
-    attention._WARNED.clear()
+    api._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="dsv41_jax"):
         d.sparse_mla_decode(*other.args(), **other.kwargs(), impl="auto")
         d.sparse_mla_decode(*other.args(), **other.kwargs(), impl="auto")

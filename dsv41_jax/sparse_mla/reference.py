@@ -1,5 +1,8 @@
 """The `impl="xla"` reference of sparse MLA: pure jnp, float32 math, FlashMLA's numerics.
 
+`decode` / `prefill` run a checked `DecodeCall` / `PrefillCall` (`dsv41_jax.sparse_mla.base`); both,
+and the mega ops, reduce to `sparse_attention_rows` over one or two token pools.
+
 For each query row, the attended set is the union of a main and an optional extra token pool,
 each given as global slots with a per-row valid length. Scores are `softmax_scale * q . k`
 over the 512-d latent (K = V = the latent). One online softmax runs over the union:
@@ -15,7 +18,7 @@ NaN in unused cache slots never reaches the output.
 
 Memory: rows are processed in blocks and the top-k in chunks (`lax.map` over row blocks,
 `lax.scan` over chunks), so the largest intermediate is one chunk of gathered rows, about
-`_TARGET_ROWS` x 512 float32, never `[rows, h, topk, 512]`.
+`_TARGET_ROWS` x LATENT_DIM float32, never `[rows, h, topk, LATENT_DIM]`.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["Pool", "sparse_attention_rows"]
+from dsv41_jax import kv_cache as kvc
+from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
+
+__all__ = ["Pool", "sparse_attention_rows", "decode", "prefill", "decode_f32", "prefill_f32"]
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
-_TARGET_ROWS = 1 << 16  # gathered latent rows per step: 64 Ki x 512 x 4 B = 128 MiB
+_TARGET_ROWS = 1 << 16  # gathered latent rows per step: 64 Ki x LATENT_DIM x 4 B = 128 MiB
 
 
 class Pool(NamedTuple):
@@ -125,3 +131,50 @@ def sparse_attention_rows(
     out, max_logits, lse = lax.map(one_block, (qb, tuple(masked)))
     out = out.reshape(n_blocks * rb, H, D)[:R]
     return out, max_logits.reshape(-1, H)[:R], lse.reshape(-1, H)[:R]
+
+
+# ------------------------------------------------------------------- the ops' xla implementation
+def _gather_fn(cache, kv_format: str, block_size: int):
+    return lambda slots: kvc.gather(cache, slots, fmt=kv_format, block_size=block_size)
+
+
+def decode(c: DecodeCall) -> tuple[jax.Array, jax.Array]:
+    """`sparse_mla_decode` of a checked call: (out bf16 [b, s_q, h_q, 512], lse f32 [b, s_q, h_q])."""
+    out, lse = decode_f32(c)
+    return out.astype(jnp.bfloat16), lse
+
+
+def decode_f32(c: DecodeCall) -> tuple[jax.Array, jax.Array]:
+    """As `decode`, with the output still float32 (the mega op's inverse RoPE reads it so)."""
+    b, s_q, h_q, d = c.q.shape
+    rows = b * s_q
+
+    def pool(cache, kv_format, bs, idx, lens):
+        k = idx.shape[2]
+        return Pool(_gather_fn(cache, kv_format, bs), idx.reshape(rows, k), jnp.repeat(lens, s_q),
+                    kvc.cache_capacity(cache, kv_format, bs))
+
+    tl, etl = c.lengths()
+    pools = [pool(c.kv_cache, c.kv_format, c.block_size, c.indices, tl)]
+    if c.has_extra:
+        pools.append(pool(c.extra_kv_cache, c.extra_kv_format, c.extra_block_size, c.extra_indices, etl))
+    out, _, lse = sparse_attention_rows(c.q.reshape(rows, h_q, d), pools, softmax_scale=c.softmax_scale,
+                                        attn_sink=c.attn_sink)
+    return out.reshape(b, s_q, h_q, d), lse.reshape(b, s_q, h_q)
+
+
+def prefill(c: PrefillCall) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sparse_mla_prefill` of a checked call: (out bf16 [s_q, h_q, 512], max_logits, lse f32 [s_q, h_q])."""
+    out, max_logits, lse = prefill_f32(c)
+    return out.astype(jnp.bfloat16), max_logits, lse
+
+
+def prefill_f32(c: PrefillCall) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As `prefill`, with the output still float32."""
+    kv = c.kv
+
+    def gather(slots):
+        return jnp.where((slots >= 0)[..., None], kv[jnp.clip(slots, 0, kv.shape[0] - 1)], 0)
+
+    pool = Pool(gather, c.indices, c.lengths(), kv.shape[0])
+    return sparse_attention_rows(c.q, [pool], softmax_scale=c.softmax_scale, attn_sink=c.attn_sink)

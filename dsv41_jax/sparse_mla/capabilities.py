@@ -1,23 +1,34 @@
-"""Backend registry: which implementation of the sparse MLA ops serves a device and a format.
+"""Backend capabilities: which backend of the sparse MLA ops serves a device and a cache format.
 
 Each `BackendSpec` is a frozen descriptor of capabilities, as vLLM's attention backends are
 (the seed's `FLASHMLA_SPARSE_DSV41` and `FLASHMLA_MEGA_ATTN_DSV41` carry exactly the seed's
-flags). `select_backend` filters the registry by device and request and returns the
+flags), naming the implementation (`impl`, a key of `IMPLEMENTATIONS`) that serves it.
+`select_backend` filters the registered backends by device and request and returns the
 highest-priority match, or raises `BackendSelectionError` listing why every candidate was
-rejected. The registry is the package's only mutable global; `register_backend` adds to it.
+rejected. `AUTO_ORDER`, the order `impl="auto"` tries the implementations in, comes from the
+priorities of the built-in backends.
 
-KV-cache dtype names: `"fp8"` is an alias of `"fp8_ds_mla"`; `"auto"` means the model's
-native cache record, `"fp8_ds_mla"` (the V4 584-byte record), for every backend.
+Mutable state: the backend registry (`register_backend` adds a descriptor, e.g. a deployment's own
+envelope of an implementation; the five built-in ones are registered at import). Which implementations
+exist is fixed (`dsv41_jax.sparse_mla.implementations`), and so is `AUTO_ORDER`.
+
+KV-cache dtype names (vLLM's, `kv_cache_dtype`): `"fp8"` is an alias of `"fp8_ds_mla"`; `"auto"` means
+the model's native cache record, `"fp8_ds_mla"` (the V4 584-byte record), for every backend
+(`dsv41_jax.kv_cache.canonical_kv_format`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from dsv41_jax.device import DeviceInfo, parse_compute_capability
+from dsv41_jax.kv_cache import KV_CACHE_FORMATS, LATENT_DIM, canonical_kv_cache_dtype
+from dsv41_jax.sparse_mla import implementations
 
 __all__ = [
     "DeviceInfo",
@@ -28,100 +39,25 @@ __all__ = [
     "CUDA_SPARSE_DSV41",
     "PALLAS_SPARSE_DSV41",
     "XLA_SPARSE_DSV41",
+    "BUILTIN_BACKENDS",
+    "AUTO_ORDER",
+    "auto_order",
     "KV_CACHE_FORMATS",
     "canonical_kv_cache_dtype",
     "register_backend",
     "registered_backends",
     "get_backend",
     "select_backend",
-    "register_impl_availability",
 ]
-
-KV_CACHE_FORMATS = ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
-_KV_ALIASES = {"fp8": "fp8_ds_mla", "auto": "fp8_ds_mla", "bfloat16": "bf16"}
-
-
-def canonical_kv_cache_dtype(name: str) -> str:
-    """Resolve aliases ("fp8", "auto", "bfloat16") to one of `KV_CACHE_FORMATS`."""
-    if not isinstance(name, str):
-        raise TypeError(f"kv_cache_dtype must be a str, got {type(name).__name__} {name!r}")
-    fmt = _KV_ALIASES.get(name, name)
-    if fmt not in KV_CACHE_FORMATS:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {list(KV_CACHE_FORMATS) + sorted(_KV_ALIASES)}, got {name!r}"
-        )
-    return fmt
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-    """What backend selection needs to know about a device.
-
-    platform: "cpu", "cuda", "rocm" or "tpu". compute_capability: (major, minor) on CUDA.
-    num_sms: streaming multiprocessors (CUDA `core_count`), used by split planning.
-    """
-
-    platform: str
-    compute_capability: tuple[int, int] | None = None
-    num_sms: int | None = None
-
-    @classmethod
-    def from_device(cls, device: Any) -> "DeviceInfo":
-        """From a `jax.Device` (reads `platform`, `compute_capability`, `core_count`)."""
-        platform = getattr(device, "platform", None)
-        if not isinstance(platform, str):
-            raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
-        platform = {"gpu": "cuda"}.get(platform, platform)
-        cc = getattr(device, "compute_capability", None)
-        cc_t = _parse_cc(cc) if (cc is not None and platform == "cuda") else None
-        n = getattr(device, "core_count", None)
-        return cls(platform, cc_t, int(n) if isinstance(n, (int, np.integer)) else None)
-
-    @classmethod
-    def default(cls) -> "DeviceInfo":
-        import jax
-
-        return cls.from_device(jax.devices()[0])
-
-
-def _parse_cc(cc: Any) -> tuple[int, int]:
-    if isinstance(cc, str):
-        parts = cc.split(".")
-        try:
-            return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-        except ValueError:
-            raise ValueError(f"compute_capability must look like '9.0', got {cc!r}") from None
-    if isinstance(cc, (int, np.integer)) and not isinstance(cc, bool):
-        return (int(cc) // 10, int(cc) % 10) if cc >= 10 else (int(cc), 0)
-    if isinstance(cc, (tuple, list)) and len(cc) == 2:
-        return int(cc[0]), int(cc[1])
-    raise TypeError(f"compute_capability must be '9.0', 90 or (9, 0), got {cc!r}")
-
-
-# impl name -> () -> None when available, else the reason it is not.
-_IMPL_AVAILABILITY: dict[str, Callable[[], str | None]] = {}
-
-
-def register_impl_availability(impl: str, check: Callable[[], str | None]) -> None:
-    """Let an implementation module report whether it can run (library built, kernels present)."""
-    _IMPL_AVAILABILITY[impl] = check
-
-
-def _impl_unavailable_reason(impl: str) -> str | None:
-    check = _IMPL_AVAILABILITY.get(impl)
-    if check is None:
-        return f"implementation {impl!r} is not registered"
-    try:
-        return check()
-    except Exception as e:  # an availability probe must never break selection
-        return f"implementation {impl!r} availability check failed: {e}"
 
 
 @dataclasses.dataclass(frozen=True)
 class BackendSpec:
     """Capabilities of one backend.
 
-    impl: the op implementation that serves it ("cuda", "pallas", "xla").
+    impl: the op implementation that serves it ("cuda", "pallas", "xla"), or None when no
+    implementation of this library does (the descriptor then records a capability only; with
+    `require_available`, `select_backend` rejects it).
     platforms: platforms it runs on (None: any). compute_capability_majors: required CUDA
     major versions (None: no requirement). kernel_block_sizes: function of the compute
     capability returning the page sizes (tokens) the kernel accepts, or None for any.
@@ -131,7 +67,7 @@ class BackendSpec:
     """
 
     name: str
-    impl: str
+    impl: str | None
     priority: int
     supported_dtypes: tuple[str, ...]
     supported_kv_cache_dtypes: tuple[str, ...]
@@ -236,7 +172,7 @@ FLASHMLA_SPARSE_DSV41 = BackendSpec(
     priority=30,
     supported_dtypes=("bfloat16",),
     supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8"),
-    supported_head_sizes=(512,),
+    supported_head_sizes=(LATENT_DIM,),
     platforms=("cuda",),
     compute_capability_majors=(9, 10),
     kernel_block_sizes=_flashmla_block_sizes,
@@ -245,16 +181,18 @@ FLASHMLA_SPARSE_DSV41 = BackendSpec(
 
 FLASHMLA_MEGA_ATTN_DSV41 = BackendSpec(
     name="FLASHMLA_MEGA_ATTN_DSV41",
-    impl="cuda",
+    impl=None,
     priority=40,
     supported_dtypes=("bfloat16",),
     supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "nvfp4_ds_mla"),
-    supported_head_sizes=(512,),
+    supported_head_sizes=(LATENT_DIM,),
     platforms=("cuda",),
     compute_capability_majors=(10,),
     kernel_block_sizes=lambda cc: (128,),
     interfaces=("mega",),
-    notes="Fused q RoPE + sparse attention + inverse RoPE + fp8 output; SM100 only, no SM90 kernel.",
+    notes="FlashMLA's fused q RoPE + sparse attention + inverse RoPE + fp8 output kernel (SM100 only, no SM90 "
+          "kernel): the seed's flags. No kernel of this library serves it; sparse_mla_mega_decode / "
+          "sparse_mla_mega_prefill run the xla reference (XLA_SPARSE_DSV41 serves the mega interface).",
 )
 
 CUDA_SPARSE_DSV41 = BackendSpec(
@@ -263,7 +201,7 @@ CUDA_SPARSE_DSV41 = BackendSpec(
     priority=25,
     supported_dtypes=("bfloat16",),
     supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16"),
-    supported_head_sizes=(512,),
+    supported_head_sizes=(LATENT_DIM,),
     platforms=("cuda",),
     compute_capability_majors=(9, 10),
     kernel_block_sizes=lambda cc: None,
@@ -276,7 +214,7 @@ PALLAS_SPARSE_DSV41 = BackendSpec(
     priority=20,
     supported_dtypes=("bfloat16",),
     supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16"),
-    supported_head_sizes=(512,),
+    supported_head_sizes=(LATENT_DIM,),
     platforms=("cuda",),
     compute_capability_majors=(9, 10),
     kernel_block_sizes=lambda cc: None,
@@ -289,13 +227,29 @@ XLA_SPARSE_DSV41 = BackendSpec(
     priority=0,
     supported_dtypes=("bfloat16",),
     supported_kv_cache_dtypes=("auto", "fp8", "bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla"),
-    supported_head_sizes=(512,),
+    supported_head_sizes=(LATENT_DIM,),
     platforms=None,
     compute_capability_majors=None,
     kernel_block_sizes=lambda cc: None,
     interfaces=("sparse", "mega"),
     notes="Pure-jnp reference, fp32 math; any JAX device, every format and page size.",
 )
+
+BUILTIN_BACKENDS = (FLASHMLA_SPARSE_DSV41, FLASHMLA_MEGA_ATTN_DSV41, CUDA_SPARSE_DSV41, PALLAS_SPARSE_DSV41,
+                    XLA_SPARSE_DSV41)
+
+
+def auto_order(specs: Iterable[BackendSpec]) -> tuple[str, ...]:
+    """The implementations serving the sparse interface, by the highest priority of their backends."""
+    best: dict[str, int] = {}
+    for s in specs:
+        if s.impl is not None and "sparse" in s.interfaces:
+            best[s.impl] = max(best.get(s.impl, s.priority), s.priority)
+    return tuple(sorted(best, key=lambda impl: -best[impl]))
+
+
+AUTO_ORDER = auto_order(BUILTIN_BACKENDS)  # ("cuda", "pallas", "xla"): the reference, priority 0, comes last
+assert set(AUTO_ORDER) == set(implementations.IMPLEMENTATIONS), "every implementation has a built-in backend"
 
 _lock = threading.Lock()
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -305,6 +259,9 @@ def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
     """Add `spec` to the registry (ValueError if the name exists and `replace` is False)."""
     if not isinstance(spec, BackendSpec):
         raise TypeError(f"spec must be a BackendSpec, got {type(spec).__name__}")
+    if spec.impl is not None and spec.impl not in implementations.IMPLEMENTATIONS:
+        raise ValueError(f"spec.impl must be one of {list(implementations.IMPLEMENTATIONS)} or None, "
+                         f"got {spec.impl!r}")
     with _lock:
         if spec.name in _REGISTRY and not replace:
             raise ValueError(f"backend {spec.name!r} is already registered")
@@ -312,11 +269,13 @@ def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
 
 
 def registered_backends() -> tuple[BackendSpec, ...]:
+    """Every registered backend, highest priority first."""
     with _lock:
         return tuple(sorted(_REGISTRY.values(), key=lambda s: -s.priority))
 
 
 def get_backend(name: str) -> BackendSpec:
+    """The registered backend called `name` (ValueError naming the registered ones if none is)."""
     with _lock:
         try:
             return _REGISTRY[name]
@@ -324,10 +283,8 @@ def get_backend(name: str) -> BackendSpec:
             raise ValueError(f"unknown backend {name!r}; registered: {sorted(_REGISTRY)}") from None
 
 
-for _spec in (FLASHMLA_SPARSE_DSV41, FLASHMLA_MEGA_ATTN_DSV41, CUDA_SPARSE_DSV41, PALLAS_SPARSE_DSV41,
-              XLA_SPARSE_DSV41):
+for _spec in BUILTIN_BACKENDS:
     register_backend(_spec)
-register_impl_availability("xla", lambda: None)
 
 
 class BackendSelectionError(ValueError):
@@ -345,7 +302,7 @@ def select_backend(
     compute_capability: Any = None,
     kv_cache_dtype: str = "auto",
     block_size: int | None = None,
-    head_size: int = 512,
+    head_size: int = LATENT_DIM,
     dtype: Any = "bfloat16",
     has_sink: bool = True,
     use_mla: bool = True,
@@ -360,7 +317,8 @@ def select_backend(
     Give either `device` (a `jax.Device` or `DeviceInfo`) or `platform` (+ `compute_capability`
     on CUDA); with neither, the default JAX device is used. `impls` restricts the candidates
     to those implementations. With `require_available`, a backend whose implementation cannot
-    run here (library not built, kernel missing) is rejected with that reason.
+    run here (library not built, kernel missing), or that no implementation of this library serves,
+    is rejected with that reason.
     """
     if device is not None and platform is not None:
         raise ValueError("give either device or platform, not both")
@@ -372,7 +330,7 @@ def select_backend(
         if not isinstance(platform, str):
             raise TypeError(f"platform must be a str, got {type(platform).__name__}")
         plat = {"gpu": "cuda"}.get(platform, platform)
-        cc = _parse_cc(compute_capability) if compute_capability is not None else None
+        cc = parse_compute_capability(compute_capability) if compute_capability is not None else None
         info = DeviceInfo(plat, cc)
     if isinstance(block_size, bool) or (block_size is not None and not isinstance(block_size, (int, np.integer))):
         raise TypeError(f"block_size must be an int or None, got {block_size!r}")
@@ -387,7 +345,8 @@ def select_backend(
         if want not in spec.interfaces:
             why.append(f"does not serve the {want} interface (serves {list(spec.interfaces)})")
         if impls is not None and spec.impl not in impls:
-            why.append(f"implementation {spec.impl!r} not in requested {list(impls)}")
+            what = "no implementation of this library" if spec.impl is None else f"implementation {spec.impl!r}"
+            why.append(f"{what} not in requested {list(impls)}")
         if spec.platforms is not None and info.platform not in spec.platforms:
             why.append(f"platform {info.platform!r} not in {list(spec.platforms)}")
         kv_ok = raw_kv if raw_kv in spec.supported_kv_cache_dtypes else canonical_kv_cache_dtype(raw_kv)
@@ -397,7 +356,8 @@ def select_backend(
             device_capability=info.compute_capability if info.platform == "cuda" else None,
         )
         if not why and require_available:
-            r = _impl_unavailable_reason(spec.impl)
+            r = (implementations.unavailable_reason(spec.impl) if spec.impl is not None
+                 else "no kernel of this library serves it")
             if r is not None:
                 why.append(r)
         if not why:

@@ -1,0 +1,80 @@
+"""What the library reads from a device: platform, CUDA compute capability, SM count.
+
+One place parses a compute capability and probes the SM count, so backend selection
+(`dsv41_jax.sparse_mla.capabilities`), split planning (`dsv41_jax.scheduler`), the kernels' availability
+probes and `python -m dsv41_jax.info` agree on what the device is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DeviceInfo", "parse_compute_capability", "default_num_sms", "DEFAULT_NUM_SMS"]
+
+DEFAULT_NUM_SMS = 132  # H100 / H200: the SM count split plans assume without a GPU to ask
+
+
+def _platform(name: str) -> str:
+    """jax names CUDA devices "gpu"; the backend descriptors say "cuda"."""
+    return {"gpu": "cuda"}.get(name, name)
+
+
+def parse_compute_capability(cc: Any) -> tuple[int, int]:
+    """`(major, minor)` from "9.0" (what jax reports), 90 or (9, 0)."""
+    if isinstance(cc, str):
+        parts = cc.split(".")
+        try:
+            return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+        except ValueError:
+            raise ValueError(f"compute_capability must look like '9.0', got {cc!r}") from None
+    if isinstance(cc, (int, np.integer)) and not isinstance(cc, bool):
+        return (int(cc) // 10, int(cc) % 10) if cc >= 10 else (int(cc), 0)
+    if isinstance(cc, (tuple, list)) and len(cc) == 2:
+        return int(cc[0]), int(cc[1])
+    raise TypeError(f"compute_capability must be '9.0', 90 or (9, 0), got {cc!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What backend selection needs to know about a device.
+
+    platform: "cpu", "cuda", "rocm" or "tpu". compute_capability: (major, minor) on CUDA.
+    num_sms: streaming multiprocessors (CUDA `core_count`), used by split planning.
+    """
+
+    platform: str
+    compute_capability: tuple[int, int] | None = None
+    num_sms: int | None = None
+
+    @classmethod
+    def from_device(cls, device: Any) -> "DeviceInfo":
+        """From a `jax.Device` (reads `platform`, `compute_capability`, `core_count`)."""
+        platform = getattr(device, "platform", None)
+        if not isinstance(platform, str):
+            raise TypeError(f"device must be a jax.Device, got {type(device).__name__}")
+        platform = _platform(platform)
+        cc = getattr(device, "compute_capability", None)
+        cc_t = parse_compute_capability(cc) if (cc is not None and platform == "cuda") else None
+        n = getattr(device, "core_count", None)
+        return cls(platform, cc_t, int(n) if isinstance(n, (int, np.integer)) else None)
+
+    @classmethod
+    def default(cls) -> "DeviceInfo":
+        """The default JAX device's (`jax.devices()[0]`)."""
+        import jax
+
+        return cls.from_device(jax.devices()[0])
+
+
+def default_num_sms() -> int:
+    """SM count of the default device when it is a CUDA GPU (`core_count`), else DEFAULT_NUM_SMS."""
+    try:
+        info = DeviceInfo.default()
+    except Exception:  # noqa: BLE001 - no device to ask: the default stands
+        return DEFAULT_NUM_SMS
+    if info.platform == "cuda" and info.num_sms is not None and info.num_sms > 0:
+        return info.num_sms
+    return DEFAULT_NUM_SMS
