@@ -49,7 +49,7 @@ Non-finite inputs to the fp8 formats give unspecified (but in-bounds) records. b
 inputs (|x| < 2^-126) may be flushed to zero by XLA before quantization; the bounds still hold.
 
 Implementation notes: XLA rewrites divisions by constants and by broadcast operands into
-multiplications by a reciprocal, which misrounds exact ties (x = 1.25 * s became 1.2500001), so
+multiplications by a reciprocal, which misrounds exact ties (x = 1.25 * s becomes 1.2500001), so
 the quantizers divide nowhere: fp8 exponents come from fp32 bits, e2m1 codes from comparing |x|
 with exact multiples of s, the nvfp4 scale from a multiply shown exact in `_fp4_scale_code`.
 XLA:CPU's vectorized max reduction may drop NaNs, so NaN tiles are detected explicitly.

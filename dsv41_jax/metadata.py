@@ -35,6 +35,7 @@ __all__ = [
     "make_common_attention_metadata",
     "token_to_req_indices",
     "token_positions",
+    "TokenPositions",
     "decode_threshold",
     "DecodePrefillSplit",
     "split_decodes_and_prefills",
