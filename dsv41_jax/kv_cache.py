@@ -4,7 +4,8 @@ A cache holds `num_blocks` pages of `block_size` (P) tokens; a token lives at
 `slot = block * P + offset`. All byte layouts, quantizers and dequantizers live in this module so
 that a layout change touches one file.
 
-Formats (`fmt`; the aliases "fp8"/"auto" -> "fp8_ds_mla" and "bfloat16" -> "bf16" are accepted):
+Formats (`kv_format`; the aliases "fp8"/"auto" -> "fp8_ds_mla" and "bfloat16" -> "bf16" are accepted; every
+function also takes the format as `fmt=`, its older keyword):
 
 - ``"bf16"``: `bfloat16[num_blocks, P, 512]`; records are the 1024 little-endian bf16 bytes.
 - ``"fp8_ds_mla"`` (V4, 584 B/token): `uint8[num_blocks, page_bytes]`. A page is
@@ -184,15 +185,21 @@ _LAYOUTS = {
 
 
 # ------------------------------------------------------------------------------- checks
-def _fmt(fmt: Any) -> str:
-    """Canonical format name; ValueError names `fmt`, the accepted names and the value."""
-    if not isinstance(fmt, str):
-        raise TypeError(f"fmt must be a str, got {type(fmt).__name__} {fmt!r}")
+def _kv_format(kv_format: Any, fmt: Any = None) -> str:
+    """Canonical format name of `kv_format`, or of `fmt`, its older keyword (one of them); errors name
+    `kv_format`, the accepted names and the value."""
+    if fmt is not None:
+        if kv_format is not None:
+            raise TypeError(f"give kv_format or fmt (its older name), not both: got {kv_format!r} and {fmt!r}")
+        kv_format = fmt
+    if not isinstance(kv_format, str):
+        raise TypeError(f"kv_format must be a str, got {type(kv_format).__name__} {kv_format!r}")
     try:
-        return canonical_kv_format(fmt)
+        return canonical_kv_format(kv_format)
     except ValueError:
         raise ValueError(
-            f"fmt must be one of {list(KV_FORMATS)} (or an alias 'fp8', 'auto', 'bfloat16'), got {fmt!r}"
+            f"kv_format must be one of {list(KV_FORMATS)} (or an alias 'fp8', 'auto', 'bfloat16'), "
+            f"got {kv_format!r}"
         ) from None
 
 
@@ -204,23 +211,23 @@ def _check_pos_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _check_cache(cache: Any, fmt: str, block_size: int) -> jax.Array:
-    """Validate a cache against `fmt`/`block_size`; returns it as a jax array."""
+def _check_cache(cache: Any, kv_format: str, block_size: int) -> jax.Array:
+    """Validate a cache against `kv_format`/`block_size`; returns it as a jax array."""
     cache = jnp.asarray(cache)
-    if fmt == "bf16":
+    if kv_format == "bf16":
         want_dtype, want_shape = jnp.bfloat16, f"[num_blocks, {block_size}, {LATENT_DIM}]"
         ok_shape = cache.ndim == 3 and cache.shape[1:] == (block_size, LATENT_DIM)
     else:
-        pb = page_bytes(fmt, block_size)
+        pb = page_bytes(kv_format, block_size)
         want_dtype, want_shape = jnp.uint8, f"[num_blocks, {pb}]"
         ok_shape = cache.ndim == 2 and cache.shape[1] == pb
     if cache.dtype != want_dtype:
         raise ValueError(
-            f"cache for fmt={fmt!r} must have dtype {jnp.dtype(want_dtype).name}, got {cache.dtype}"
+            f"cache for kv_format={kv_format!r} must have dtype {jnp.dtype(want_dtype).name}, got {cache.dtype}"
         )
     if not ok_shape:
         raise ValueError(
-            f"cache for fmt={fmt!r}, block_size={block_size} must have shape {want_shape}, "
+            f"cache for kv_format={kv_format!r}, block_size={block_size} must have shape {want_shape}, "
             f"got {list(cache.shape)}"
         )
     if cache.shape[0] < 1:
@@ -248,38 +255,40 @@ def _check_latent(name: str, x: Any) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------- sizes
-def layout(fmt: str) -> RecordLayout:
-    """The `RecordLayout` of `fmt` (aliases accepted)."""
-    return _LAYOUTS[_fmt(fmt)]
+def layout(kv_format: str | None = None, *, fmt: str | None = None) -> RecordLayout:
+    """The `RecordLayout` of `kv_format` (aliases accepted)."""
+    return _LAYOUTS[_kv_format(kv_format, fmt)]
 
 
-def record_bytes(fmt: str) -> int:
+def record_bytes(kv_format: str | None = None, *, fmt: str | None = None) -> int:
     """Bytes per token: 1024 (bf16), 584 (fp8_ds_mla), 528 (mxfp8_ds_mla), 288 (nvfp4_ds_mla)."""
-    return layout(fmt).record_bytes
+    return layout(kv_format, fmt=fmt).record_bytes
 
 
-def page_bytes(fmt: str, block_size: int) -> int:
+def page_bytes(kv_format: str | None = None, block_size: int | None = None, *, fmt: str | None = None) -> int:
     """Bytes of one page of `block_size` tokens, alignment padding included."""
-    lay = layout(fmt)
+    lay = layout(kv_format, fmt=fmt)
     block_size = _check_pos_int("block_size", block_size)
     return -(-block_size * lay.record_bytes // lay.page_align) * lay.page_align
 
 
-def allocate(num_blocks: int, block_size: int, fmt: str) -> jax.Array:
+def allocate(num_blocks: int, block_size: int, kv_format: str | None = None, *,
+             fmt: str | None = None) -> jax.Array:
     """Zero-filled cache: `uint8[num_blocks, page_bytes]`, or `bf16[num_blocks, block_size, 512]`."""
-    fmt = _fmt(fmt)
+    kv_format = _kv_format(kv_format, fmt)
     num_blocks = _check_pos_int("num_blocks", num_blocks)
     block_size = _check_pos_int("block_size", block_size)
-    if fmt == "bf16":
+    if kv_format == "bf16":
         return jnp.zeros((num_blocks, block_size, LATENT_DIM), jnp.bfloat16)
-    return jnp.zeros((num_blocks, page_bytes(fmt, block_size)), jnp.uint8)
+    return jnp.zeros((num_blocks, page_bytes(kv_format, block_size)), jnp.uint8)
 
 
-def cache_capacity(cache: Any, fmt: str, block_size: int) -> int:
+def cache_capacity(cache: Any, kv_format: str | None = None, block_size: int | None = None, *,
+                   fmt: str | None = None) -> int:
     """Number of token slots of a (validated) cache: `num_blocks * block_size`."""
-    fmt = _fmt(fmt)
+    kv_format = _kv_format(kv_format, fmt)
     block_size = _check_pos_int("block_size", block_size)
-    return _check_cache(cache, fmt, block_size).shape[0] * block_size
+    return _check_cache(cache, kv_format, block_size).shape[0] * block_size
 
 
 # ------------------------------------------------------------------------------- scalar codecs
@@ -372,95 +381,97 @@ def _bytes_to_bf16(b: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------- records
-def quantize(kv: Any, fmt: str) -> jax.Array:
+def quantize(kv: Any, kv_format: str | None = None, *, fmt: str | None = None) -> jax.Array:
     """Quantize latents into per-token records.
 
     kv: floating `[..., 512]`, rounded to bf16 first (the formats are defined on bf16 input).
-    Returns uint8 `[..., record_bytes(fmt)]`: the token's data bytes then its scale bytes
+    Returns uint8 `[..., record_bytes(kv_format)]`: the token's data bytes then its scale bytes
     (fp8_ds_mla: 448 e4m3 + 128 RoPE bf16 bytes + 7 UE8M0 + 1 zero; mxfp8_ds_mla: 512 e4m3 + 16
     UE8M0; nvfp4_ds_mla: 256 packed e2m1 + 32 e4m3 scales; bf16: 1024 little-endian bytes).
     """
-    fmt = _fmt(fmt)
+    kv_format = _kv_format(kv_format, fmt)
     kv = _check_latent("kv", kv).astype(jnp.bfloat16)
     x = kv.astype(jnp.float32)
-    if fmt == "bf16":
+    if kv_format == "bf16":
         return _bf16_to_bytes(kv)
-    if fmt == "fp8_ds_mla":
+    if kv_format == "fp8_ds_mla":
         q, e = _fp8_quantize_tiles(x[..., :NOPE_DIM], _FP8_NOPE_TILE)
         pad = jnp.zeros((*kv.shape[:-1], 1), jnp.uint8)
         return jnp.concatenate([q, _bf16_to_bytes(kv[..., NOPE_DIM:]), e, pad], axis=-1)
-    if fmt == "mxfp8_ds_mla":
+    if kv_format == "mxfp8_ds_mla":
         q, e = _fp8_quantize_tiles(x, _MXFP8_TILE)
         return jnp.concatenate([q, e], axis=-1)
     q, s = _fp4_quantize_tiles(x)
     return jnp.concatenate([q, s], axis=-1)
 
 
-def _dequantize_f32(records: Any, fmt: str) -> jax.Array:
-    fmt = _fmt(fmt)
+def _dequantize_f32(records: Any, kv_format: str) -> jax.Array:
+    kv_format = _kv_format(kv_format)
     records = jnp.asarray(records)
-    rb = record_bytes(fmt)
+    rb = record_bytes(kv_format)
     if records.dtype != jnp.uint8 or records.ndim < 1 or records.shape[-1] != rb:
         raise ValueError(
-            f"records for fmt={fmt!r} must be uint8 [..., {rb}], got {records.dtype} {list(records.shape)}"
+            f"records for kv_format={kv_format!r} must be uint8 [..., {rb}], "
+            f"got {records.dtype} {list(records.shape)}"
         )
-    if fmt == "bf16":
+    if kv_format == "bf16":
         return _bytes_to_bf16(records).astype(jnp.float32)
-    d = layout(fmt).data_bytes
-    if fmt == "fp8_ds_mla":
+    d = layout(kv_format).data_bytes
+    if kv_format == "fp8_ds_mla":
         n_tiles = NOPE_DIM // _FP8_NOPE_TILE
         nope = _fp8_dequantize_tiles(records[..., :NOPE_DIM], records[..., d : d + n_tiles], _FP8_NOPE_TILE)
         rope = _bytes_to_bf16(records[..., NOPE_DIM:d]).astype(jnp.float32)
         return jnp.concatenate([nope, rope], axis=-1)
-    if fmt == "mxfp8_ds_mla":
+    if kv_format == "mxfp8_ds_mla":
         return _fp8_dequantize_tiles(records[..., :d], records[..., d:], _MXFP8_TILE)
     return _fp4_dequantize_tiles(records[..., :d], records[..., d:])
 
 
-def dequantize(records: Any, fmt: str) -> jax.Array:
-    """uint8 records `[..., record_bytes(fmt)]` -> bf16 `[..., 512]` (exact: no rounding happens)."""
-    return _dequantize_f32(records, fmt).astype(jnp.bfloat16)
+def dequantize(records: Any, kv_format: str | None = None, *, fmt: str | None = None) -> jax.Array:
+    """uint8 records `[..., record_bytes(kv_format)]` -> bf16 `[..., 512]` (exact: no rounding happens)."""
+    return _dequantize_f32(records, _kv_format(kv_format, fmt)).astype(jnp.bfloat16)
 
 
 # ------------------------------------------------------------------------------- pages
-def pack_pages(records: Any, fmt: str) -> jax.Array:
+def pack_pages(records: Any, kv_format: str | None = None, *, fmt: str | None = None) -> jax.Array:
     """Per-token records uint8 `[num_blocks, P, R]` -> the cache array of those pages.
 
-    Quantized formats give uint8 `[num_blocks, page_bytes(fmt, P)]` (data rows, scale rows, zero
+    Quantized formats give uint8 `[num_blocks, page_bytes(kv_format, P)]` (data rows, scale rows, zero
     pad); "bf16" gives bf16 `[num_blocks, P, 512]`.
     """
-    fmt = _fmt(fmt)
+    kv_format = _kv_format(kv_format, fmt)
     records = jnp.asarray(records)
-    if records.ndim != 3 or records.dtype != jnp.uint8 or records.shape[-1] != record_bytes(fmt):
+    if records.ndim != 3 or records.dtype != jnp.uint8 or records.shape[-1] != record_bytes(kv_format):
         raise ValueError(
-            f"records must be uint8 [num_blocks, P, {record_bytes(fmt)}], "
+            f"records must be uint8 [num_blocks, P, {record_bytes(kv_format)}], "
             f"got {records.dtype} {list(records.shape)}"
         )
-    if fmt == "bf16":
+    if kv_format == "bf16":
         return _bytes_to_bf16(records)
-    lay = layout(fmt)
+    lay = layout(kv_format)
     nb, p, _ = records.shape
     data = records[..., : lay.data_bytes].reshape(nb, p * lay.data_bytes)
     scales = records[..., lay.data_bytes :].reshape(nb, p * lay.scale_bytes)
-    pad = jnp.zeros((nb, page_bytes(fmt, p) - p * lay.record_bytes), jnp.uint8)
+    pad = jnp.zeros((nb, page_bytes(kv_format, p) - p * lay.record_bytes), jnp.uint8)
     return jnp.concatenate([data, scales, pad], axis=1)
 
 
-def unpack_pages(cache: Any, fmt: str, block_size: int) -> jax.Array:
+def unpack_pages(cache: Any, kv_format: str | None = None, block_size: int | None = None, *,
+                 fmt: str | None = None) -> jax.Array:
     """Inverse of `pack_pages`: cache -> per-token records uint8 `[num_blocks, P, R]`."""
-    fmt = _fmt(fmt)
+    kv_format = _kv_format(kv_format, fmt)
     block_size = _check_pos_int("block_size", block_size)
-    cache = _check_cache(cache, fmt, block_size)
-    if fmt == "bf16":
+    cache = _check_cache(cache, kv_format, block_size)
+    if kv_format == "bf16":
         return _bf16_to_bytes(cache)
-    lay = layout(fmt)
+    lay = layout(kv_format)
     nb, p = cache.shape[0], block_size
     data = cache[:, : p * lay.data_bytes].reshape(nb, p, lay.data_bytes)
     scales = cache[:, p * lay.data_bytes : p * lay.record_bytes].reshape(nb, p, lay.scale_bytes)
     return jnp.concatenate([data, scales], axis=-1)
 
 
-def _unit_rows(offset: jax.Array, fmt: str, block_size: int) -> jax.Array:
+def _unit_rows(offset: jax.Array, kv_format: str, block_size: int) -> jax.Array:
     """Rows of a token's record when a page is viewed as `[page_bytes // S, S]`, S = scale_bytes.
 
     Every quantized layout has data_bytes % S == 0 and page_bytes % S == 0, so a record is
@@ -468,7 +479,7 @@ def _unit_rows(offset: jax.Array, fmt: str, block_size: int) -> jax.Array:
     `P * (data_bytes // S) + offset`; one scatter/gather of S-byte rows then moves whole records.
     offset: int `[...]` in [0, P). Returns `[..., data_bytes // S + 1]` of offset's dtype.
     """
-    lay = layout(fmt)
+    lay = layout(kv_format)
     k = lay.data_bytes // lay.scale_bytes
     data_rows = offset[..., None] * k + jnp.arange(k, dtype=offset.dtype)
     scale_row = block_size * k + offset[..., None]
@@ -483,18 +494,19 @@ def _split_slots(slots: jax.Array, num_blocks: int, block_size: int):
 
 
 # ------------------------------------------------------------------------------- insert / gather
-def insert(cache: Any, kv: Any, slot_mapping: Any, *, fmt: str, block_size: int) -> jax.Array:
+def insert(cache: Any, kv: Any, slot_mapping: Any, *, kv_format: str | None = None, block_size: int,
+           fmt: str | None = None) -> jax.Array:
     """Return `cache` with `kv[t]` quantized and written at slot `slot_mapping[t]`.
 
-    cache: the layout of `allocate(num_blocks, block_size, fmt)`. kv: bf16 `[T, 512]`.
+    cache: the layout of `allocate(num_blocks, block_size, kv_format)`. kv: bf16 `[T, 512]`.
     slot_mapping: integer `[T]`, slot = block * block_size + offset; slots < 0 or
     >= num_blocks * block_size are skipped. Duplicate valid slots leave that slot unspecified.
-    A single scatter with mode="drop", so under `jax.jit(insert, static_argnames=("fmt",
+    A single scatter with mode="drop", so under `jax.jit(insert, static_argnames=("kv_format",
     "block_size"), donate_argnums=0)` the cache is updated in place.
     """
-    fmt = _fmt(fmt)
+    kv_format = _kv_format(kv_format, fmt)
     block_size = _check_pos_int("block_size", block_size)
-    cache = _check_cache(cache, fmt, block_size)
+    cache = _check_cache(cache, kv_format, block_size)
     kv = jnp.asarray(kv)
     if kv.dtype != jnp.bfloat16:
         raise TypeError(f"kv must have dtype bfloat16, got {kv.dtype}")
@@ -509,45 +521,47 @@ def insert(cache: Any, kv: Any, slot_mapping: Any, *, fmt: str, block_size: int)
     valid, block, offset = _split_slots(slot_mapping, nb, block_size)
     # An out-of-range block (never a negative one: .at[] wraps negatives) is dropped by the scatter.
     block = jnp.where(valid, block, nb)
-    if fmt == "bf16":
+    if kv_format == "bf16":
         return cache.at[block, offset].set(kv, mode="drop")
-    lay = layout(fmt)
+    lay = layout(kv_format)
     s = lay.scale_bytes
-    rows = _unit_rows(offset, fmt, block_size)
-    updates = quantize(kv, fmt).reshape(kv.shape[0], rows.shape[-1], s)
+    rows = _unit_rows(offset, kv_format, block_size)
+    updates = quantize(kv, kv_format).reshape(kv.shape[0], rows.shape[-1], s)
     pages = cache.reshape(nb, cache.shape[1] // s, s)
     pages = pages.at[block[:, None], rows].set(updates, mode="drop")
     return pages.reshape(cache.shape)
 
 
-def _gather(cache: Any, slots: Any, fmt: str, block_size: int) -> jax.Array:
-    fmt = _fmt(fmt)
+def _gather(cache: Any, slots: Any, kv_format: str, block_size: int) -> jax.Array:
+    kv_format = _kv_format(kv_format)
     block_size = _check_pos_int("block_size", block_size)
-    cache = _check_cache(cache, fmt, block_size)
+    cache = _check_cache(cache, kv_format, block_size)
     slots = _check_int_array("slots", slots)
     nb = cache.shape[0]
     valid, block, offset = _split_slots(slots, nb, block_size)
     block = jnp.where(valid, block, 0)
     offset = jnp.where(valid, offset, 0)
-    if fmt == "bf16":
+    if kv_format == "bf16":
         x = cache.at[block, offset].get(mode="promise_in_bounds").astype(jnp.float32)
     else:
-        s = layout(fmt).scale_bytes
+        s = layout(kv_format).scale_bytes
         pages = cache.reshape(nb, cache.shape[1] // s, s)
-        rows = pages.at[block[..., None], _unit_rows(offset, fmt, block_size)].get(
+        rows = pages.at[block[..., None], _unit_rows(offset, kv_format, block_size)].get(
             mode="promise_in_bounds"
         )
-        x = _dequantize_f32(rows.reshape(*slots.shape, record_bytes(fmt)), fmt)
+        x = _dequantize_f32(rows.reshape(*slots.shape, record_bytes(kv_format)), kv_format)
     # A select, not a multiply: garbage/NaN read from an unused slot must not leak (0*NaN).
     return jnp.where(valid[..., None], x, 0.0)
 
 
-def gather(cache: Any, slots: Any, *, fmt: str, block_size: int) -> jax.Array:
+def gather(cache: Any, slots: Any, *, kv_format: str | None = None, block_size: int,
+           fmt: str | None = None) -> jax.Array:
     """Dequantized rows bf16 `[..., 512]` for integer `slots [...]`; invalid slots (< 0 or
     >= capacity) give exactly 0 whatever the cache holds there."""
-    return _gather(cache, slots, fmt, block_size).astype(jnp.bfloat16)
+    return _gather(cache, slots, _kv_format(kv_format, fmt), block_size).astype(jnp.bfloat16)
 
 
-def gather_f32(cache: Any, slots: Any, *, fmt: str, block_size: int) -> jax.Array:
+def gather_f32(cache: Any, slots: Any, *, kv_format: str | None = None, block_size: int,
+               fmt: str | None = None) -> jax.Array:
     """As `gather`, in float32 (the same values: dequantization is exact in bf16)."""
-    return _gather(cache, slots, fmt, block_size)
+    return _gather(cache, slots, _kv_format(kv_format, fmt), block_size)

@@ -19,8 +19,8 @@ from dsv41_jax import kv_cache as kvc
 
 # The cache ops jitted: one compilation per case shape, where an eager call compiles each primitive it
 # runs (seconds per new shape; the cases have many shapes).
-_insert = jax.jit(kvc.insert, static_argnames=("fmt", "block_size"))
-_gather = jax.jit(kvc.gather, static_argnames=("fmt", "block_size"))
+_insert = jax.jit(kvc.insert, static_argnames=("kv_format", "block_size"))
+_gather = jax.jit(kvc.gather, static_argnames=("kv_format", "block_size"))
 
 
 def _f64(x) -> np.ndarray:
@@ -108,7 +108,7 @@ def oracle_rows(q, pools, scale, sink):
 
 def dequantized_table(cache, fmt: str, block_size: int) -> np.ndarray:
     cap = kvc.cache_capacity(cache, fmt, block_size)
-    return _f64(_gather(cache, np.arange(cap, dtype=np.int32), fmt=fmt, block_size=block_size))
+    return _f64(_gather(cache, np.arange(cap, dtype=np.int32), kv_format=fmt, block_size=block_size))
 
 
 # ------------------------------------------------------------------------------ decode cases
@@ -178,7 +178,7 @@ def _poisoned_cache(rng, num_blocks, block_size, fmt, n_written):
     # assume unit-scale latents (its kernels round P to bf16, whose error grows with |v|)
     mag = np.exp(rng.uniform(-2.5, 0.5, size=(n_written, 1)))
     kv = (rng.standard_normal((n_written, 512)) * mag).astype(np.float32)
-    cache = _insert(cache, jnp.asarray(kv, jnp.bfloat16), written, fmt=fmt, block_size=block_size)
+    cache = _insert(cache, jnp.asarray(kv, jnp.bfloat16), written, kv_format=fmt, block_size=block_size)
     return cache, written
 
 

@@ -190,6 +190,26 @@ def check_bounds(x: np.ndarray, d: np.ndarray, fmt: str) -> None:
     assert np.all((err <= np.maximum(ax / 4, amax6 * 6 * 17 / 384))[normal])
 
 
+# ------------------------------------------------------------------------------- names
+def test_format_names_and_the_older_keyword():
+    assert K.KV_FORMATS == K.FORMATS == K.KV_CACHE_FORMATS
+    assert [K.canonical_kv_format(a) for a in ("fp8", "auto", "bfloat16")] == ["fp8_ds_mla", "fp8_ds_mla", "bf16"]
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        K.canonical_kv_format("fp9")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        K.canonical_kv_cache_dtype("fp9")  # vLLM's name, in its own errors
+    # `fmt=` (the older keyword) and `kv_format=` are the same argument
+    kv = jnp.asarray(np.random.default_rng(0).standard_normal((3, 512)), jnp.bfloat16)
+    slots = jnp.array([0, 5, 2], jnp.int32)
+    for f in ("bf16", "fp8_ds_mla", "nvfp4_ds_mla"):
+        assert K.page_bytes(kv_format=f, block_size=4) == K.page_bytes(fmt=f, block_size=4) == K.page_bytes(f, 4)
+        a = K.insert(K.allocate(2, 4, kv_format=f), kv, slots, kv_format=f, block_size=4)
+        b = K.insert(K.allocate(2, 4, fmt=f), kv, slots, fmt=f, block_size=4)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(K.gather(a, slots, kv_format=f, block_size=4), np.float32),
+                                      np.asarray(K.gather(b, slots, fmt=f, block_size=4), np.float32))
+
+
 # ------------------------------------------------------------------------------- sizes
 def test_record_and_page_bytes():
     assert K.FORMATS == ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
@@ -520,8 +540,10 @@ _S3 = jnp.array([0, 1, 2], jnp.int32)
 _ins8 = functools.partial(K.insert, fmt="fp8_ds_mla", block_size=4)
 _gat_mx = functools.partial(K.gather, fmt="mxfp8_ds_mla", block_size=4)
 BAD = [
-    ("unknown fmt", lambda: K.allocate(2, 4, "fp16"), ValueError, "fmt"),
-    ("fmt not str", lambda: K.record_bytes(8), TypeError, "fmt"),
+    ("unknown kv_format", lambda: K.allocate(2, 4, "fp16"), ValueError, "kv_format"),
+    ("kv_format not str", lambda: K.record_bytes(8), TypeError, "kv_format"),
+    ("kv_format and fmt", lambda: K.record_bytes("bf16", fmt="bf16"), TypeError, "not both"),
+    ("no kv_format", lambda: K.gather(_C8, _S3, block_size=4), TypeError, "kv_format"),
     ("block_size 0", lambda: K.allocate(2, 0, "bf16"), ValueError, "block_size"),
     ("block_size float", lambda: K.page_bytes("bf16", 2.5), TypeError, "block_size"),
     ("block_size bool", lambda: K.page_bytes("bf16", True), TypeError, "block_size"),

@@ -133,12 +133,12 @@ def _check_lengths(name: str, x: Any, n: int, what: str) -> jax.Array | None:
     return jnp.asarray(x, jnp.int32)
 
 
-def _check_cache(name: str, cache: Any, format_arg: str, kv_format: Any, block_size: Any,
+def _check_cache(name: str, cache: Any, format_arg: str, given_format: Any, block_size: Any,
                  bs_arg: str) -> tuple[str, int]:
     """(canonical kv_format, block_size) of a paged cache checked against them; errors name the arguments."""
-    if not isinstance(kv_format, str):
-        raise TypeError(f"{format_arg} must be a str, got {type(kv_format).__name__}")
-    fmt = canonical_kv_format(kv_format, arg=format_arg)
+    if not isinstance(given_format, str):
+        raise TypeError(f"{format_arg} must be a str, got {type(given_format).__name__}")
+    kv_format = canonical_kv_format(given_format, arg=format_arg)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
         raise TypeError(f"{bs_arg} must be a static int, got {type(block_size).__name__} {block_size!r}")
     bs = int(block_size)
@@ -146,20 +146,20 @@ def _check_cache(name: str, cache: Any, format_arg: str, kv_format: Any, block_s
         raise ValueError(f"{bs_arg} must be > 0, got {bs}")
     if not hasattr(cache, "shape"):
         raise TypeError(f"{name} must be an array, got {type(cache).__name__}")
-    if fmt == "bf16":
+    if kv_format == "bf16":
         if cache.ndim != 3 or cache.shape[1:] != (bs, LATENT_DIM):
             raise ValueError(f"{name} in format 'bf16' must be [num_blocks, {bs}, {LATENT_DIM}], got shape {_shape(cache)}")
         if cache.dtype != jnp.bfloat16:
             raise TypeError(f"{name} in format 'bf16' must be bfloat16, got {cache.dtype}")
     else:
-        pb = page_bytes(fmt, bs)
+        pb = page_bytes(kv_format, bs)
         if cache.ndim != 2 or cache.shape[1] != pb:
             raise ValueError(
-                f"{name} in format {fmt!r} with {bs_arg}={bs} must be uint8[num_blocks, {pb}], got shape {_shape(cache)}"
+                f"{name} in format {kv_format!r} with {bs_arg}={bs} must be uint8[num_blocks, {pb}], got shape {_shape(cache)}"
             )
         if cache.dtype != jnp.uint8:
-            raise TypeError(f"{name} in format {fmt!r} must be uint8, got {cache.dtype}")
-    return fmt, bs
+            raise TypeError(f"{name} in format {kv_format!r} must be uint8, got {cache.dtype}")
+    return kv_format, bs
 
 
 def check_q(q: Any, ndim: int, layout: str) -> jax.Array:
@@ -195,7 +195,7 @@ def make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, s
     """The checked `DecodeCall` of `sparse_mla_decode`'s arguments (in its order, every one given)."""
     q = check_q(q, 4, f"[b, s_q, h_q, {LATENT_DIM}]")
     b, s_q, h_q, _ = q.shape
-    fmt, bs = _check_cache("kv_cache", kv_cache, "kv_format", kv_format, block_size, "block_size")
+    main_format, bs = _check_cache("kv_cache", kv_cache, "kv_format", kv_format, block_size, "block_size")
     indices = check_array("indices", indices, 3, kind="int")
     if indices.shape[:2] != (b, s_q):
         raise ValueError(f"indices must be [b, s_q, topk] = [{b}, {s_q}, topk], got {_shape(indices)}")
@@ -206,10 +206,10 @@ def make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, s
     extras = (extra_kv_cache, extra_indices)
     if any(e is not None for e in extras) and not all(e is not None for e in extras):
         raise ValueError("extra_kv_cache and extra_indices must be given together")
-    efmt = ebs = etl = eidx = None
+    extra_format = ebs = etl = eidx = None
     if extra_kv_cache is not None:
-        efmt, ebs = _check_cache(
-            "extra_kv_cache", extra_kv_cache, "extra_kv_format", fmt if extra_kv_format is None else extra_kv_format,
+        extra_format, ebs = _check_cache(
+            "extra_kv_cache", extra_kv_cache, "extra_kv_format", main_format if extra_kv_format is None else extra_kv_format,
             bs if extra_block_size is None else extra_block_size, "extra_block_size",
         )
         eidx = check_array("extra_indices", extra_indices, 3, kind="int")
@@ -221,8 +221,8 @@ def make_decode_call(q, kv_cache, indices, topk_length, kv_format, block_size, s
         raise ValueError("extra_topk_length / extra_kv_format / extra_block_size need extra_kv_cache")
     plan, invariant = _check_plan(plan, batch_invariant, batch=b, s_q=s_q, topk=topk,
                                   extra_topk=None if eidx is None else eidx.shape[2])
-    return DecodeCall(q, kv_cache, jnp.asarray(indices, jnp.int32), topk_length, fmt, bs, scale, sink,
-                      extra_kv_cache, eidx, etl, efmt, ebs, plan, invariant)
+    return DecodeCall(q, kv_cache, jnp.asarray(indices, jnp.int32), topk_length, main_format, bs, scale, sink,
+                      extra_kv_cache, eidx, etl, extra_format, ebs, plan, invariant)
 
 
 def make_prefill_call(q, kv, indices, softmax_scale, attn_sink, topk_length) -> PrefillCall:

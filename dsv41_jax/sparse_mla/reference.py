@@ -135,7 +135,7 @@ def sparse_attention_rows(
 
 # ------------------------------------------------------------------- the ops' xla implementation
 def _gather_fn(cache, kv_format: str, block_size: int):
-    return lambda slots: kvc.gather(cache, slots, fmt=kv_format, block_size=block_size)
+    return lambda slots: kvc.gather(cache, slots, kv_format=kv_format, block_size=block_size)
 
 
 def decode(c: DecodeCall) -> tuple[jax.Array, jax.Array]:
