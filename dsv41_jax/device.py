@@ -62,6 +62,15 @@ class DeviceInfo:
         return cls(platform, cc_t, int(n) if isinstance(n, (int, np.integer)) else None)
 
     @classmethod
+    def from_platform(cls, platform: str, compute_capability: Any = None) -> "DeviceInfo":
+        """From a platform name (jax's "gpu" is "cuda") and a compute capability in any form
+        `parse_compute_capability` reads (None: unknown)."""
+        if not isinstance(platform, str):
+            raise TypeError(f"platform must be a str, got {type(platform).__name__}")
+        cc = parse_compute_capability(compute_capability) if compute_capability is not None else None
+        return cls(_platform(platform), cc)
+
+    @classmethod
     def default(cls) -> "DeviceInfo":
         """The default JAX device's (`jax.devices()[0]`)."""
         import jax

@@ -92,7 +92,7 @@ def _devices() -> tuple[str, tuple[DeviceSummary, ...], str | None]:
         try:
             info = DeviceInfo.from_device(dev)
         except (TypeError, ValueError):
-            info = DeviceInfo({"gpu": "cuda"}.get(dev.platform, dev.platform))
+            info = DeviceInfo.from_platform(dev.platform)
         key = (info.platform, str(getattr(dev, "device_kind", dev.platform)), info.compute_capability, info.num_sms)
         groups[key] = groups.get(key, 0) + 1
     return backend, tuple(DeviceSummary(*key, count=n) for key, n in groups.items()), None

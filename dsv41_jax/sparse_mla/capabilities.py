@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv41_jax.device import DeviceInfo, parse_compute_capability
+from dsv41_jax.device import DeviceInfo
 from dsv41_jax.kv_cache import KV_CACHE_FORMATS, LATENT_DIM, canonical_kv_cache_dtype
 from dsv41_jax.sparse_mla import implementations
 
@@ -327,11 +327,7 @@ def select_backend(
     elif device is not None:
         info = device if isinstance(device, DeviceInfo) else DeviceInfo.from_device(device)
     else:
-        if not isinstance(platform, str):
-            raise TypeError(f"platform must be a str, got {type(platform).__name__}")
-        plat = {"gpu": "cuda"}.get(platform, platform)
-        cc = parse_compute_capability(compute_capability) if compute_capability is not None else None
-        info = DeviceInfo(plat, cc)
+        info = DeviceInfo.from_platform(platform, compute_capability)
     if isinstance(block_size, bool) or (block_size is not None and not isinstance(block_size, (int, np.integer))):
         raise TypeError(f"block_size must be an int or None, got {block_size!r}")
     if block_size is not None and block_size <= 0:
