@@ -385,7 +385,7 @@ def make_two_scale_decode_case(seed: int, h_q: int = 8, tiny: bool = False) -> D
         big = rng.random(slots.size) < 0.5
         rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
         rows[big, ::64] = 59904.0
-    cache = _insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), slots.astype(np.int32), fmt="fp8_ds_mla",
+    cache = _insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), slots.astype(np.int32), kv_format="fp8_ds_mla",
                     block_size=case.block_size)
     pages = np.asarray(cache).reshape(cache.shape[0], -1)
     scale_bytes = pages[:, case.block_size * 576:case.block_size * 584].reshape(-1, 8)[:, :7]
