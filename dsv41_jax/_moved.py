@@ -17,7 +17,18 @@ import types
 __all__ = ["MOVED_MODULES", "install"]
 
 # old module path -> the module that holds it now
-MOVED_MODULES: dict[str, str] = {}
+MOVED_MODULES: dict[str, str] = {
+    # the model side lives in the `dsv41_jax.model` package
+    "dsv41_jax.checkpoint": "dsv41_jax.model.checkpoint",
+    "dsv41_jax.config": "dsv41_jax.model.config",
+    "dsv41_jax.engine": "dsv41_jax.model.engine",
+    "dsv41_jax.engine_stats": "dsv41_jax.model.engine_stats",
+    "dsv41_jax.envelope": "dsv41_jax.model.envelope",
+    "dsv41_jax.hf_config": "dsv41_jax.model.hf_config",
+    "dsv41_jax.layer_types": "dsv41_jax.model.layer_types",
+    "dsv41_jax.nn": "dsv41_jax.model.nn",
+    "dsv41_jax.weights": "dsv41_jax.model.weights",
+}
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
