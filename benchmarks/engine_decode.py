@@ -32,7 +32,7 @@ ATTENTION_KERNELS = ("dsv41_", "sparse_mla")  # name fragments of this library's
 def layer_cut_config(num_layers: int):
     """V4.1-Flash's attention configuration with `num_layers` decoder layers keeping every layer role."""
     import dsv41_jax as d
-    from dsv41_jax.config import DeepseekV4AttentionConfig
+    from dsv41_jax.model.config import DeepseekV4AttentionConfig
 
     if num_layers < 8:
         raise ValueError(f"--layers must be >= 8 (every V4.1 layer role), got {num_layers}")

@@ -39,8 +39,8 @@ from dsv41_jax.sparse_mla.capabilities import (
     select_backend,
 )
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
-from dsv41_jax.checkpoint import Checkpoint, TensorInfo, open_checkpoint, write_checkpoint
-from dsv41_jax.config import (
+from dsv41_jax.model.checkpoint import Checkpoint, TensorInfo, open_checkpoint, write_checkpoint
+from dsv41_jax.model.config import (
     PRESETS,
     TINY,
     V4_FLASH,
@@ -51,9 +51,9 @@ from dsv41_jax.config import (
     RopeScaling,
     get_preset,
 )
-from dsv41_jax.engine_stats import GenerateStats, StepTiming, WarmupStats
-from dsv41_jax.envelope import ServingLimits, StepShape, envelope_shapes
-from dsv41_jax.layer_types import (
+from dsv41_jax.model.engine_stats import GenerateStats, StepTiming, WarmupStats
+from dsv41_jax.model.envelope import ServingLimits, StepShape, envelope_shapes
+from dsv41_jax.model.layer_types import (
     DecodePlanSpec,
     decode_plan_spec,
     deepseek_v40_layer_type,
@@ -90,15 +90,16 @@ from dsv41_jax import sharding
 # The Flax model side is imported on first use, so the ops and kernels need no Flax import; `info` too, so
 # `python -m dsv41_jax.info` runs a module not imported yet.
 _LAZY = {
-    "engine": ("dsv41_jax.engine", None), "model": ("dsv41_jax.model", None), "nn": ("dsv41_jax.nn", None),
-    "weights": ("dsv41_jax.weights", None), "info": ("dsv41_jax.info", None),
-    "EngineConfig": ("dsv41_jax.engine", "EngineConfig"), "InferenceEngine": ("dsv41_jax.engine", "InferenceEngine"),
-    "dense_forward": ("dsv41_jax.model", "dense_forward"),
-    "DeepseekV41Attention": ("dsv41_jax.nn", "DeepseekV41Attention"),
-    "DeepseekV41Model": ("dsv41_jax.nn", "DeepseekV41Model"),
-    "hf_state_dict": ("dsv41_jax.weights", "hf_state_dict"),
-    "load_safetensors": ("dsv41_jax.weights", "load_safetensors"),
-    "save_safetensors": ("dsv41_jax.weights", "save_safetensors"),
+    "engine": ("dsv41_jax.model.engine", None), "model": ("dsv41_jax.model", None),
+    "nn": ("dsv41_jax.model.nn", None), "weights": ("dsv41_jax.model.weights", None), "info": ("dsv41_jax.info", None),
+    "EngineConfig": ("dsv41_jax.model.engine", "EngineConfig"),
+    "InferenceEngine": ("dsv41_jax.model.engine", "InferenceEngine"),
+    "dense_forward": ("dsv41_jax.model.dense", "dense_forward"),
+    "DeepseekV41Attention": ("dsv41_jax.model.nn", "DeepseekV41Attention"),
+    "DeepseekV41Model": ("dsv41_jax.model.nn", "DeepseekV41Model"),
+    "hf_state_dict": ("dsv41_jax.model.weights", "hf_state_dict"),
+    "load_safetensors": ("dsv41_jax.model.weights", "load_safetensors"),
+    "save_safetensors": ("dsv41_jax.model.weights", "save_safetensors"),
 }
 
 

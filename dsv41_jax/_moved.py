@@ -21,6 +21,16 @@ MOVED_MODULES: dict[str, str] = {
     "dsv41_jax.attention": "dsv41_jax.sparse_mla.api",
     "dsv41_jax.backends": "dsv41_jax.sparse_mla.capabilities",
     "dsv41_jax.reference": "dsv41_jax.sparse_mla.reference",
+    # the model side lives in the `dsv41_jax.model` package
+    "dsv41_jax.checkpoint": "dsv41_jax.model.checkpoint",
+    "dsv41_jax.config": "dsv41_jax.model.config",
+    "dsv41_jax.engine": "dsv41_jax.model.engine",
+    "dsv41_jax.engine_stats": "dsv41_jax.model.engine_stats",
+    "dsv41_jax.envelope": "dsv41_jax.model.envelope",
+    "dsv41_jax.hf_config": "dsv41_jax.model.hf_config",
+    "dsv41_jax.layer_types": "dsv41_jax.model.layer_types",
+    "dsv41_jax.nn": "dsv41_jax.model.nn",
+    "dsv41_jax.weights": "dsv41_jax.model.weights",
 }
 
 

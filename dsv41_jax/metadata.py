@@ -36,6 +36,7 @@ __all__ = [
     "token_to_req_indices",
     "token_positions",
     "TokenPositions",
+    "paged_slot",
     "decode_threshold",
     "DecodePrefillSplit",
     "split_decodes_and_prefills",
@@ -215,13 +216,19 @@ def token_positions(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens:
     return TokenPositions(req, jnp.where(in_batch, pos, 0), in_batch)
 
 
-def _paged_slot(block_table: jax.Array, req: jax.Array, pos: jax.Array, block_size: int) -> jax.Array:
-    """Slot of `pos` in request `req`'s pages; -1 where the page is missing or out of the table."""
+def paged_slot(block_table: jax.Array, req: jax.Array, pos: jax.Array, block_size: int) -> jax.Array:
+    """Slot of `pos` in request `req`'s pages; -1 where the page is missing or out of the table.
+
+    `block_table` int32 `[R, B]`; `req` and `pos` int arrays of one broadcast shape; `block_size` the
+    entries per page. Pure, for any paged cache (the SWA cache, a compressed cache, the index keys)."""
     col = pos // block_size
     ok = (pos >= 0) & (col < block_table.shape[1])
     blk = block_table[req, jnp.clip(col, 0, block_table.shape[1] - 1)]
     ok = ok & (blk >= 0)
     return jnp.where(ok, blk * block_size + pos % block_size, -1)
+
+
+_paged_slot = paged_slot  # the name this module's builders call
 
 
 # ------------------------------------------------------------------- decode / prefill split

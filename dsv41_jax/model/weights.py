@@ -1,6 +1,6 @@
 """Weights of `DeepseekV41Model` in Hugging Face DeepSeek-V4.1 names, to and from safetensors.
 
-Names (torch layout: a Linear weight is `[out, in]`, the transpose of our `Dense.kernel`):
+Names (torch layout: a Linear weight is `[out, in]`, the transpose of `Dense.kernel`):
 
     model.embed_tokens.weight                      model.norm.weight           lm_head.weight
     model.layers.{i}.input_layernorm.weight        model.layers.{i}.post_attention_layernorm.weight
@@ -14,7 +14,7 @@ Names (torch layout: a Linear weight is `[out, in]`, the transpose of our `Dense
     model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight
 
 `load_safetensors` reads one file, a directory or a sharded checkpoint through its
-`model.safetensors.index.json` (`dsv41_jax.checkpoint`), and checks the whole set before touching the
+`model.safetensors.index.json` (`dsv41_jax.model.checkpoint`), and checks the whole set before touching the
 model: every expected tensor present, every shape right; it raises `ValueError` listing missing (and
 where they were looked for), unexpected (with `strict=True`) and mis-shaped tensors by name and file.
 """
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.checkpoint import open_checkpoint, write_checkpoint
-from dsv41_jax.nn import DeepseekV41Model
+from dsv41_jax.model.checkpoint import open_checkpoint, write_checkpoint
+from dsv41_jax.model.nn import DeepseekV41Model
 
 __all__ = ["hf_state_dict", "save_safetensors", "load_safetensors", "hf_names"]
 
@@ -77,7 +77,7 @@ def save_safetensors(model: DeepseekV41Model, path: str | os.PathLike, *,
 
     Without `max_shard_size`, one file at `path`; with it (bytes, or a size like "5GB"), a directory of
     shards with `model.safetensors.index.json`, as Hugging Face's `save_pretrained` writes
-    (`dsv41_jax.checkpoint.write_checkpoint`).
+    (`dsv41_jax.model.checkpoint.write_checkpoint`).
     """
     return write_checkpoint(hf_state_dict(model), path, max_shard_size=max_shard_size)
 
@@ -97,7 +97,7 @@ def load_safetensors(model: DeepseekV41Model, path, *, strict: bool = True) -> D
     """Load HF-named tensors into `model` (in place; returns it).
 
     `path`: a .safetensors file, a directory (its `model.safetensors.index.json`, else its *.safetensors
-    files), an index json, or a list of files (`dsv41_jax.checkpoint.open_checkpoint`). Every tensor is
+    files), an index json, or a list of files (`dsv41_jax.model.checkpoint.open_checkpoint`). Every tensor is
     checked before any is read: a `ValueError` names the missing tensors and where they were looked for,
     the unexpected ones (with `strict`) and the mis-shaped ones, each with its file. Values are cast to
     each parameter's dtype.

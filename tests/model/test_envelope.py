@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsv41_jax.buckets import BucketPolicy
-from dsv41_jax.envelope import ServingLimits, StepShape, block_widths, envelope_shapes, step_shape
+from dsv41_jax.model.envelope import ServingLimits, StepShape, block_widths, envelope_shapes, step_shape
 
 
 def reachable(buckets, lim, **kw):

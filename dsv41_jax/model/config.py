@@ -1,7 +1,7 @@
 """Frozen configuration of DeepSeek-V4 / V4.1 attention, built from a Hugging Face config.
 
 `DeepseekV4AttentionConfig.from_hf_config(source)` takes a flat dict, the composite form (fields under
-`text_config`), a path to a `config.json` or a `transformers` config object (`dsv41_jax.hf_config`); it
+`text_config`), a path to a `config.json` or a `transformers` config object (`dsv41_jax.model.hf_config`); it
 validates every field it reads and raises `ValueError` / `TypeError` naming the key, the expected and the
 actual value, and logs the keys it used and ignored on the `dsv41_jax.config` logger (INFO);
 `from_hf_config_with_keys` returns them. `layer_role(i)`
@@ -9,7 +9,7 @@ resolves a layer's part in the cache-sharing topology (which kv-source layer's c
 cache it reads, which index-source layer's top-k it uses, whether it owns either).
 
 Presets: `V41_FLASH` (DeepSeek-V4.1-Flash), `V4_FLASH` (DeepSeek-V4-Flash), `TINY` (tests and
-examples). V4.1-Flash's RoPE settings are not published in the sources we read; the preset
+examples). V4.1-Flash's RoPE settings are not in its published sources; the preset
 assumes V4-Flash's (rope_theta 10000, compress_rope_theta 160000, YaRN factor 16 over 65536).
 """
 
@@ -21,8 +21,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dsv41_jax.hf_config import TEXT_CONFIG, HFConfigKeys, KeyRecorder, resolve_hf_config
-from dsv41_jax.layer_types import deepseek_v40_layer_type, deepseek_v41_layer_type
+from dsv41_jax.kv_cache import LATENT_DIM
+from dsv41_jax.model.hf_config import TEXT_CONFIG, HFConfigKeys, KeyRecorder, resolve_hf_config
+from dsv41_jax.model.layer_types import deepseek_v40_layer_type, deepseek_v41_layer_type
 
 __all__ = [
     "DeepseekV4AttentionConfig",
@@ -36,9 +37,9 @@ __all__ = [
     "get_preset",
 ]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("dsv41_jax.config")  # the name users configure, whatever the module path
 
-HEAD_DIM = 512
+HEAD_DIM = LATENT_DIM  # q and k heads are the MLA latent: NoPE + RoPE dims
 ROPE_DIM = 64
 NOPE_DIM = HEAD_DIM - ROPE_DIM
 

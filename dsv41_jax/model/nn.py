@@ -1,9 +1,11 @@
 """Flax NNX modules of a DeepSeek-V4.1 decoder: the attention layer and a minimal model around it.
 
-Parameters only; the math that depends on how tokens arrive lives in `dsv41_jax.model`
-(`dense_forward`: a whole sequence, no cache) and `dsv41_jax.engine` (paged caches, one step at a
-time). Both call the same projection methods defined here, so they share every weight and every
-rounding step but the attention itself.
+Each module's `__call__` is its forward pass over one paged engine step (`dsv41_jax.model.step`): the
+model embeds the step's tokens and runs its decoder layers; a layer runs its attention, then residual
+and MLP; the attention projects q and the latents, writes the caches, selects the compressed entries
+and calls the sparse attention op. The dense oracle (`dsv41_jax.model.dense`: a whole sequence, no
+cache) calls the same projection methods, so both paths share every weight and every rounding but the
+attention itself.
 
 Attention layer (V4.1, as vLLM runs it: no per-head q norm):
 - q: `qr = q_norm(wq_a x)`, `q = wq_b qr` -> `[H, 512]`, GPT-J RoPE on the last 64 dims;
@@ -13,7 +15,7 @@ Attention layer (V4.1, as vLLM runs it: no per-head q norm):
   is RoPE'd at the group's first position `g * r`;
 - indexer (index-source layers): `q_I = wq_b_I(qr)` RoPE'd, `w = weights_proj(x) / sqrt(d_I * H_I)`,
   `score[t] = sum_h relu(q_I[h] . k_I[t]) w[h]` with `k_I = rope(k_norm(wk(latent)), g * r)` owned
-  by the kv-source layer;
+  by the kv-source layer (`dsv41_jax.model.indexer`);
 - output: inverse RoPE, `wo_a` per group of heads, `wo_b`.
 RoPE: `compress_rope_theta` + YaRN on compressed layers (ratio 1, 2), plain `rope_theta` on ratio 0.
 The MLP is a dense SwiGLU standing in for DeepSeek's MoE. MTP layers are not part of this model.
@@ -21,11 +23,19 @@ The MLP is a dense SwiGLU standing in for DeepSeek's MoE. MTP layers are not par
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax.config import DeepseekV4AttentionConfig, LayerRole
+from dsv41_jax.kv_cache import LATENT_DIM
+from dsv41_jax.model.config import DeepseekV4AttentionConfig, LayerRole
+from dsv41_jax.model.indexer import Selections, select_for_layer
+from dsv41_jax.rope import apply_inverse_rope, apply_rope
+
+if TYPE_CHECKING:
+    from dsv41_jax.model.step import StepContext
 
 __all__ = ["RMSNorm", "Dense", "Compressor", "Indexer", "DeepseekV41Attention", "MLP", "DecoderLayer",
            "DeepseekV41Model"]
@@ -90,10 +100,12 @@ class Indexer(nnx.Module):
 
 
 class DeepseekV41Attention(nnx.Module):
-    """Parameters of one V4.1 attention layer (its role decides which sub-modules exist)."""
+    """One V4.1 attention layer; its role (`cfg.layer_role(layer_id)`) decides which sub-modules exist."""
 
     def __init__(self, cfg: DeepseekV4AttentionConfig, layer_id: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         role = cfg.layer_role(layer_id)
+        self.cfg = cfg
+        self.role = role
         self.layer_id = layer_id
         H, D, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         self.wq_a = Dense(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, param_dtype=param_dtype)
@@ -114,11 +126,19 @@ class DeepseekV41Attention(nnx.Module):
         """Unroped q float32 `[..., H, 512]` and the normed q-LoRA activation `qr`."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr)
-        return q.reshape(q.shape[:-1] + (-1, 512)), qr
+        return q.reshape(q.shape[:-1] + (-1, LATENT_DIM)), qr
 
     def swa_latent(self, x: jax.Array) -> jax.Array:
         """Unroped SWA latent float32 `[..., 512]`."""
         return self.kv_norm(self.wkv(x))
+
+    def project(self, h: jax.Array, pos: jax.Array, cos_sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """RoPE'd q bf16 `[T, H, 512]` (the attention ops take bf16), the q-LoRA activation `qr` and the RoPE'd
+        SWA latent float32 `[T, 512]` of normed hidden states `h [T, hidden]` at positions `pos`."""
+        q, qr = self.q_and_qr(h)
+        q = apply_rope(q, pos, cos_sin).astype(jnp.bfloat16)
+        kv = apply_rope(self.swa_latent(h), pos, cos_sin)
+        return q, qr, kv
 
     def output(self, o: jax.Array) -> jax.Array:
         """Inverse-RoPE'd attention output `[..., H, 512]` -> hidden `[..., hidden]`."""
@@ -126,6 +146,43 @@ class DeepseekV41Attention(nnx.Module):
         grouped = o.astype(_F32).reshape(o.shape[:-2] + (G, F))
         z = jnp.einsum("...gf,grf->...gr", grouped, self.wo_a[...].astype(_F32), precision=jax.lax.Precision.HIGHEST)
         return self.wo_b(z.reshape(z.shape[:-2] + (G * R,)))
+
+    def output_projection(self, o: jax.Array, pos: jax.Array, cos_sin: jax.Array) -> jax.Array:
+        """Attention output `[T, H, 512]` (RoPE'd, as the op returns it) -> hidden float32 `[T, hidden]`."""
+        return self.output(apply_inverse_rope(o.astype(_F32), pos, cos_sin))
+
+    def __call__(self, h: jax.Array, step: "StepContext", caches: dict,
+                 selections: Selections) -> tuple[jax.Array, dict, Selections]:
+        """The layer's attention in one paged engine step.
+
+        `h`: normed hidden states float32 `[T, hidden]` of the step's packed tokens; `step`: the step's
+        metadata, RoPE tables, attention ops and cache operations; `caches`: the engine's cache pytree
+        (this layer writes its own entries and reads its kv source's); `selections`: the top-k of the index
+        sources before it. Returns the attention's hidden output float32 `[T, hidden]`, the updated caches
+        and the selections with this layer's added when it is an index source.
+        """
+        role, pos = self.role, step.positions
+        cos_sin = step.tables.for_role(role)
+        with jax.named_scope("qkv_proj"):
+            q, qr, kv = self.project(h, pos, cos_sin)
+            caches = step.write_swa(caches, role, kv.astype(jnp.bfloat16))
+        topk = None
+        if role.compress_ratio:
+            if role.owns_compressed_cache:
+                with jax.named_scope("compressor"):
+                    caches = step.write_compressed(caches, self, h, cos_sin)
+            if role.owns_indexer:
+                num_visible = step.num_visible_compressed(role.compress_ratio)
+                with jax.named_scope("indexer"):
+                    keys = step.index_keys(caches, role)
+                    selections = select_for_layer(self, role, self.cfg, h, qr, pos, cos_sin, keys, num_visible,
+                                                  selections)
+            topk = selections.topk[role.index_source_layer]
+        with jax.named_scope("sparse_attention"):
+            out = step.attend(q, caches, role, topk, self.attn_sink[...])
+        # the residual and MLP after it run under this scope too (`DecoderLayer`), as profiles group them
+        with jax.named_scope("o_proj"):
+            return self.output_projection(out, pos, cos_sin), caches, selections
 
 
 class MLP(nnx.Module):
@@ -141,11 +198,28 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP, each with a residual."""
+
     def __init__(self, cfg: DeepseekV4AttentionConfig, layer_id: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.self_attn = DeepseekV41Attention(cfg, layer_id, rngs=rngs, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+
+    def feed_forward(self, x: jax.Array, attn_hidden: jax.Array) -> jax.Array:
+        """Residual + MLP after the layer's attention output `attn_hidden`."""
+        x = x + attn_hidden
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def __call__(self, x: jax.Array, step: "StepContext", caches: dict,
+                 selections: Selections) -> tuple[jax.Array, dict, Selections]:
+        """The layer over one paged engine step (see `DeepseekV41Attention.__call__`): hidden states
+        float32 `[T, hidden]` in and out, with the updated caches and selections."""
+        role = self.self_attn.role
+        with jax.named_scope(f"layer{role.layer_id}_{role.layer_type}"):
+            attn_hidden, caches, selections = self.self_attn(self.input_layernorm(x), step, caches, selections)
+            with jax.named_scope("o_proj"):
+                return self.feed_forward(x, attn_hidden), caches, selections
 
 
 class DeepseekV41Model(nnx.Module):
@@ -162,3 +236,20 @@ class DeepseekV41Model(nnx.Module):
 
     def roles(self) -> tuple[LayerRole, ...]:
         return tuple(self.cfg.layer_role(i) for i in range(self.cfg.num_hidden_layers))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Hidden states float32 `[T, hidden]` of token ids `[T]`."""
+        return self.embed_tokens[...].astype(_F32)[tokens]
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Logits float32 `[T, vocab]` of the last layer's hidden states."""
+        return self.lm_head(self.norm(x))
+
+    def __call__(self, tokens: jax.Array, step: "StepContext", caches: dict) -> tuple[jax.Array, dict]:
+        """One paged engine step: logits float32 `[T, vocab]` of the step's packed tokens `int32 [T]`, and
+        the caches with the step's entries written (`dsv41_jax.model.step` builds `step`)."""
+        x = self.embed(tokens)
+        selections = Selections()
+        for layer in self.layers:
+            x, caches, selections = layer(x, step, caches, selections)
+        return self.logits(x), caches

@@ -1,4 +1,4 @@
-"""The Flax V4.1 model: paged engine == dense no-cache forward; weights in HF names; engine behaviour."""
+"""The paged engine: its steps == the dense no-cache forward; warm-up, limits and generate behaviour."""
 
 from __future__ import annotations
 
@@ -10,19 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import dsv41_jax as d
-from dsv41_jax import weights
 from dsv41_jax.buckets import BucketPolicy
-from dsv41_jax.engine import EngineConfig, InferenceEngine
-from dsv41_jax.model import dense_forward, make_rope_tables, select_topk
-from dsv41_jax.nn import DeepseekV41Model
+from dsv41_jax.model.dense import dense_forward
+from dsv41_jax.model.engine import EngineConfig, InferenceEngine
+from dsv41_jax.model.rope_tables import make_rope_tables
+from tests.model.cases import CFG, tiny_model
 
-# Five layers cover every role: SWA only; a ratio-2 kv + index source; a ratio-2 layer sharing both;
-# a ratio-1 kv + index + candidate source; a ratio-1 index source restricted to the candidates.
-CFG = d.TINY.replace(
-    num_hidden_layers=5, num_nextn_predict_layers=0, compress_ratios=(0, 2, 2, 1, 1),
-    kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3,
-)
 MAX_LEN = 48
 # One token bucket and one block-table width for every step of SCHEDULE: the numerics tests compile once per
 # cache format; crossing buckets is test_generate_never_compiles_after_warmup's part.
@@ -31,7 +24,7 @@ ONE_SHAPE = BucketPolicy(min_tokens=32, min_blocks=16)
 
 @pytest.fixture(scope="module")
 def model():
-    return DeepseekV41Model(CFG, rngs=nnx.Rngs(0))
+    return tiny_model()
 
 
 _DENSE: dict = {}
@@ -190,112 +183,6 @@ def test_generate_never_compiles_after_warmup(model):
     assert refused == [] and not eng.requests
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(5\) must hold .* = 6"):
         EngineConfig(max_reqs=2, num_speculative_tokens=2, max_num_batched_tokens=5)
-
-
-def test_select_topk_shortcut_and_candidates():
-    sc = jnp.asarray([[5.0, 1.0, 3.0, 4.0, 2.0, 0.0]] * 3)
-    n_vis = jnp.asarray([2, 5, 6])
-    sel = np.asarray(select_topk(sc, n_vis, 3))
-    np.testing.assert_array_equal(sel[0], [0, 1, -1])  # <= topk visible: all of them, in order
-    assert set(sel[1]) == {0, 3, 2} and set(sel[2]) == {0, 3, 2}
-    allowed = jnp.asarray([[False, True, False, True, True, True]] * 3)
-    sel = np.asarray(select_topk(sc, n_vis, 3, allowed))
-    assert set(sel[1]) == {3, 4, 1}
-
-
-def test_weights_roundtrip_and_errors(model, tmp_path):
-    p = tmp_path / "model.safetensors"
-    assert weights.save_safetensors(model, str(p)) == [str(p)]
-    other = DeepseekV41Model(CFG, rngs=nnx.Rngs(7))
-    weights.load_safetensors(other, str(p))
-    a, b = weights.hf_state_dict(model), weights.hf_state_dict(other)
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-    assert a["model.layers.1.self_attn.wo_a.weight"].shape == (CFG.o_groups * CFG.o_lora_rank, 4 * 512 // 2)
-    assert "model.layers.2.self_attn.compressor.wkv.weight" not in a  # a sharing layer owns no compressor
-    assert "model.layers.4.self_attn.indexer.wk.weight" not in a  # nor does a non-kv index source own wk
-
-    from safetensors.numpy import save_file
-
-    missing = dict(a)
-    missing.pop("model.layers.3.self_attn.indexer.wk.weight")
-    save_file(missing, str(tmp_path / "missing.safetensors"))
-    with pytest.raises(ValueError, match=r"missing tensors \(1\), looked for in file .*missing.safetensors: "
-                                         r"model.layers.3.self_attn.indexer.wk.weight"):
-        weights.load_safetensors(other, str(tmp_path / "missing.safetensors"))
-    bad = dict(a)
-    bad["model.layers.0.self_attn.wq_a.weight"] = np.zeros((3, 3), np.float32)
-    save_file(bad, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(ValueError, match=r"mis-shaped tensor model.layers.0.self_attn.wq_a.weight in "
-                                         r".*bad.safetensors: expected shape \(64, 128\), got \(3, 3\)"):
-        weights.load_safetensors(other, str(tmp_path / "bad.safetensors"))
-    extra = dict(a)
-    extra["model.layers.9.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
-    save_file(extra, str(tmp_path / "extra.safetensors"))
-    with pytest.raises(ValueError, match="unexpected tensors .*model.layers.9.mlp.up_proj.weight in .*extra"):
-        weights.load_safetensors(other, str(tmp_path / "extra.safetensors"))
-    weights.load_safetensors(other, str(tmp_path / "extra.safetensors"), strict=False)
-    with pytest.raises(ValueError, match="does not exist"):
-        weights.load_safetensors(other, str(tmp_path / "nope.safetensors"))
-
-
-def _load_equal(model, path):
-    other = DeepseekV41Model(CFG, rngs=nnx.Rngs(7))
-    weights.load_safetensors(other, path)
-    a, b = weights.hf_state_dict(model), weights.hf_state_dict(other)
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-
-
-def test_sharded_checkpoint_through_its_index(model, tmp_path):
-    import json
-
-    from safetensors.numpy import save_file
-
-    ckpt = tmp_path / "ckpt"
-    files = weights.save_safetensors(model, ckpt, max_shard_size="1MB")
-    index = ckpt / "model.safetensors.index.json"
-    shards = sorted(f for f in files if f.endswith(".safetensors"))
-    assert str(index) in files and len(shards) > 3
-    assert shards[0].endswith(f"model-00001-of-{len(shards):05d}.safetensors")
-    imap = json.loads(index.read_text())
-    a = weights.hf_state_dict(model)
-    assert set(imap["weight_map"]) == set(a) and imap["metadata"]["total_size"] == sum(v.nbytes for v in a.values())
-    _load_equal(model, ckpt)  # the directory
-    _load_equal(model, str(index))  # the index itself
-    one = tmp_path / "one"
-    assert weights.save_safetensors(model, one, max_shard_size="1GB") == [str(one / "model.safetensors")]
-    _load_equal(model, one)  # a directory of one file, no index
-
-    name = "model.layers.3.self_attn.indexer.wk.weight"
-    shard = ckpt / imap["weight_map"][name]
-    other = DeepseekV41Model(CFG, rngs=nnx.Rngs(7))
-    # a tensor the index does not list: missing, and looked for in the index
-    broken = dict(imap, weight_map={k: v for k, v in imap["weight_map"].items() if k != name})
-    index.write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match=f"{shard.name} holds 1 tensors the index does not list: {name}"):
-        weights.load_safetensors(other, ckpt)
-    # the index maps a tensor to a shard that does not hold it
-    wrong = next(f for f in imap["weight_map"].values() if f != shard.name)
-    index.write_text(json.dumps(dict(imap, weight_map={**imap["weight_map"], name: wrong})))
-    with pytest.raises(ValueError, match=f"{wrong} does not hold 1 tensors the index maps to it: {name}"):
-        weights.load_safetensors(other, ckpt)
-    # a tensor in no shard and not in the index: missing, looked for in the index's weight_map
-    held = {k: v for k, v in a.items() if imap["weight_map"][k] == shard.name and k != name}
-    save_file(held, str(shard))
-    index.write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match=f"missing tensors \\(1\\), looked for in the weight_map of .*{index.name}: "
-                                         f"{name}"):
-        weights.load_safetensors(other, ckpt)
-    # a mis-shaped tensor names its shard
-    save_file({**held, name: np.zeros((2, 2), np.float32)}, str(shard))
-    index.write_text(json.dumps(imap))
-    with pytest.raises(ValueError, match=f"mis-shaped tensor {name} in .*{shard.name}: expected shape"):
-        weights.load_safetensors(other, ckpt)
-    # a shard the index names is gone
-    shard.unlink()
-    with pytest.raises(ValueError, match=f"names shards that do not exist: .*{shard.name} \\(for"):
-        weights.load_safetensors(other, ckpt)
-    with pytest.raises(ValueError, match="max_shard_size"):
-        weights.save_safetensors(model, tmp_path / "x", max_shard_size="lots")
 
 
 def test_engine_rejects_bad_requests(model):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsv41_jax.envelope import StepShape
+from dsv41_jax.model.envelope import StepShape
 
 __all__ = ["StepTiming", "WarmupStats", "GenerateStats"]
 

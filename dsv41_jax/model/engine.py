@@ -2,17 +2,18 @@
 
 Host side (Python): requests, page allocation, scheduling of prefill chunks and decode steps,
 padding into buckets (`make_common_attention_metadata`), greedy sampling. Device side: one pure
-step, `step(params, caches, inputs) -> (logits, caches)`, compiled once per step shape with the
-caches donated so a step updates them in place.
+step, `run_step(params, caches, inputs) -> (logits, caches)` (`dsv41_jax.model.step`: the step's
+metadata, then the model's forward pass), compiled once per step shape with the caches donated so a
+step updates them in place.
 
 Compilation happens ahead of time, never inside `generate`: the engine's limits (`EngineConfig`:
 max_reqs, max_model_len, prefill_chunk, max_num_batched_tokens) map through the bucket policy to
-the envelope of step shapes it can meet (`dsv41_jax.envelope`), and `warmup()` lowers and
+the envelope of step shapes it can meet (`dsv41_jax.model.envelope`), and `warmup()` lowers and
 compiles each (`jax.jit(...).lower(...).compile()`), keeping the executables by shape. `generate`
 warms a cold engine up first and reports that apart (`GenerateStats.warmup`); its steps run
 compiled executables only. `step()` on a cold engine compiles the one shape it needs. A step
 outside the limits is a `ValueError` naming the limit. Every step's host and device time is
-recorded (`dsv41_jax.engine_stats`).
+recorded (`dsv41_jax.model.engine_stats`).
 
 Caches (one set per engine):
 - every layer has a paged SWA cache in `kv_format` (page `block_size` tokens);
@@ -24,13 +25,9 @@ Caches (one set per engine):
 Pages are allocated for the whole sequence (no sliding-window page reclaim) and freed when a
 request finishes. Compressed caches of the same ratio share one block table per request.
 
-Per layer and step: q and the SWA latent are projected and RoPE'd, the latent is written at
-`slot_mapping`; a kv source pools and writes its compressed latent and index key at the
-compressed slot mapping; an index source scores the visible compressed entries and selects its
-top-k. Decode tokens (query length <= 1 + num_speculative_tokens) attend through
-`sparse_mla_decode` over the SWA and compressed caches; prefill tokens through
-`sparse_mla_prefill` over a gathered workspace (compressed entries, then the window) with the
-combined indices, as vLLM does.
+Per layer and step the decoder layer's `__call__` (`dsv41_jax.model.nn`) projects q and the latents,
+writes the caches, selects the compressed entries and calls the sparse attention ops (`dsv41_jax.model.step`
+says how decode and prefill tokens attend).
 """
 
 from __future__ import annotations
@@ -49,20 +46,19 @@ from flax import nnx
 
 from dsv41_jax import kv_cache as kvc
 from dsv41_jax import metadata as md
-from dsv41_jax import attention as _ops
-from dsv41_jax import sharding
 from dsv41_jax.backends import canonical_kv_cache_dtype
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
-from dsv41_jax.engine_stats import GenerateStats, StepTiming, WarmupStats
-from dsv41_jax.envelope import ServingLimits, StepShape, envelope_shapes, step_shape
-from dsv41_jax.model import RopeTables, decoder_tail, index_keys, make_rope_tables, run_indexer
-from dsv41_jax.nn import DeepseekV41Model
-from dsv41_jax.rope import apply_inverse_rope, apply_rope
+from dsv41_jax.kv_cache import LATENT_DIM
+from dsv41_jax.model.engine_stats import GenerateStats, StepTiming, WarmupStats
+from dsv41_jax.model.envelope import ServingLimits, StepShape, envelope_shapes, step_shape
+from dsv41_jax.model.nn import DeepseekV41Model
+from dsv41_jax.model.rope_tables import make_rope_tables
+from dsv41_jax.model.step import StepInputs, run_step
 
 __all__ = ["EngineConfig", "InferenceEngine", "StepInputs"]
 
 _F32 = jnp.float32
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("dsv41_jax.engine")  # the name users configure, whatever the module path
 # The step token budget without an explicit max_num_batched_tokens (vLLM's chunked-prefill default): every
 # token bucket up to it is compiled, so the default keeps warm-up bounded whatever max_model_len is.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -133,78 +129,6 @@ class EngineConfig:
         return self.max_reqs * (-(-self.max_model_len // per_page)) + 1
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepInputs:
-    """Device inputs of one step: tokens int32[T], the SWA metadata, one compressed block table
-    int32[R, Bc] per compress ratio present, and each request's ring row int32[R]."""
-
-    tokens: jax.Array
-    common: md.CommonAttentionMetadata
-    comp_block_tables: dict
-    ring_rows: jax.Array
-
-
-def _flat_gather(cache: jax.Array, slots: jax.Array) -> jax.Array:
-    """Rows of a float32 `[pages, per_page, d]` cache at slots (0 where slot < 0)."""
-    flat = cache.reshape(-1, cache.shape[-1])
-    ok = (slots >= 0) & (slots < flat.shape[0])
-    return jnp.where(ok[..., None], flat[jnp.clip(slots, 0, flat.shape[0] - 1)], 0.0)
-
-
-def _flat_scatter(cache: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
-    flat = cache.reshape(-1, cache.shape[-1])
-    idx = jnp.where(slots >= 0, slots, flat.shape[0])  # out of range: dropped
-    return flat.at[idx].set(rows.astype(flat.dtype), mode="drop").reshape(cache.shape)
-
-
-def _pool_groups(attn, rows, ring, ring_rows, cm, tp, valid, r: int, cap: int):
-    """Pooled latents `[T, 512]` of ratio-r groups, and the updated ring.
-
-    A group member earlier in this step comes from `rows`; one from an earlier step from the
-    request's ring (`[max_reqs, cap, 2, 512]`, indexed by position mod cap). Only each request's
-    last r - 1 tokens are written back: they are all a later step can need, and writing no
-    more keeps a long prefill from wrapping the ring onto rows it still reads.
-    """
-    T = rows.shape[0]
-    ql = cm.query_start_loc[1:] - cm.query_start_loc[:-1]
-    start = cm.seq_lens[tp.req] - ql[tp.req]  # first position of the request in this step
-    rrow = ring_rows[tp.req]
-    flat_ring = ring.reshape(-1, 2 * 512)
-    t = jnp.arange(T)
-    members = []
-    for j in range(r):
-        p = tp.pos - (r - 1) + j
-        in_step = p >= start
-        from_step = rows[jnp.clip(t - (tp.pos - p), 0, T - 1)]
-        from_ring = flat_ring[jnp.clip(rrow * cap + p % cap, 0, flat_ring.shape[0] - 1)].reshape(T, 2, 512)
-        members.append(jnp.where(in_step[:, None, None], from_step, from_ring))
-    latent = attn.compressor.pool(jnp.stack(members, axis=1))
-    keep = valid & (tp.pos >= cm.seq_lens[tp.req] - (r - 1))
-    slot = jnp.where(keep, rrow * cap + tp.pos % cap, -1)
-    ring = _flat_scatter(flat_ring, slot, rows.reshape(T, -1)).reshape(ring.shape)
-    return latent, ring
-
-
-def _step_plans(ecfg: EngineConfig) -> bool:
-    """Whether a step builds its split plans: the cuda kernels run over them and the xla reference checks them
-    (the JAX planner is cheap on a CPU); the pallas kernels do not use them, and on a GPU without the cuda
-    planner kernel the JAX planner's loops would cost the step host round trips."""
-    from dsv41_jax.plans import resolve_planner
-
-    if ecfg.impl == "pallas":
-        return False
-    if ecfg.impl == "auto":
-        return resolve_planner("auto") == "device" or jax.default_backend() == "cpu"
-    return True
-
-
-def _attention_ops(ecfg: EngineConfig):
-    if ecfg.mesh is None:
-        return _ops.sparse_mla_decode, _ops.sparse_mla_prefill
-    return sharding.sparse_mla_decode_sharded, sharding.sparse_mla_prefill_sharded
-
-
 def _param_sharding(path: tuple, value: jax.Array, mesh: jax.sharding.Mesh, axis: str):
     """Head-parallel placement: q heads (wq_b columns), sinks and wo_a groups split; the rest replicated."""
     P = jax.sharding.PartitionSpec
@@ -218,101 +142,6 @@ def _param_sharding(path: tuple, value: jax.Array, mesh: jax.sharding.Mesh, axis
         elif names[-1] == "wo_a":
             spec = P(axis, None, None)
     return jax.sharding.NamedSharding(mesh, spec)
-
-
-def _step(graphdef, params, caches, inp: StepInputs, tables: RopeTables, *, ecfg: EngineConfig):
-    """One engine step (pure): returns logits float32 [T, vocab] and the updated caches."""
-    model: DeepseekV41Model = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    cm = inp.common
-    T = inp.tokens.shape[0]
-    R = cm.padded_num_reqs
-    W, BS, CBS = cfg.sliding_window, ecfg.block_size, ecfg.comp_block_size
-    fmt, cfmt = ecfg.kv_format, ecfg.comp_format
-    ratios = sorted({r for r in cfg.compress_ratios[: cfg.num_hidden_layers] if r})
-    # one split plan per layer type for the whole step (the heads of one shard's call), shared by its layers
-    heads = cfg.num_attention_heads // (ecfg.mesh.shape[ecfg.head_axis] if ecfg.mesh is not None else 1)
-    sm = md.build_sparse_swa_metadata(cm, window=W, block_size=BS, num_speculative_tokens=ecfg.num_speculative_tokens,
-                                      compress_ratios=list(cfg.compress_ratios[: cfg.num_hidden_layers]),
-                                      index_topk=cfg.index_topk if ratios else None,
-                                      num_heads=heads if _step_plans(ecfg) else None)
-    tp = md.token_positions(cm.query_start_loc, cm.seq_lens, T)
-    valid = cm.slot_mapping >= 0
-    t_idx = jnp.arange(T)
-    is_dec = t_idx < sm.num_decode_tokens
-    gl = sm.prefill_gather_lens
-    cslots = {r: md.compressed_slot_mapping(cm.slot_mapping, cm.query_start_loc, cm.seq_lens, inp.comp_block_tables[r],
-                                            states_per_page=CBS, compress_ratio=r) for r in ratios}
-    swa, comp, ikey, ring = dict(caches["swa"]), dict(caches["comp"]), dict(caches["ikey"]), dict(caches["ring"])
-    x = model.embed_tokens[...].astype(_F32)[inp.tokens]
-    selected: dict[int, jax.Array] = {}
-    cands: dict[int, jax.Array] = {}
-    for layer, role in zip(model.layers, model.roles()):
-        lid = str(role.layer_id)
-        attn = layer.self_attn
-        cs = tables.for_role(role)
-        with jax.named_scope(f"layer{role.layer_id}_{role.layer_type}"):
-            h = layer.input_layernorm(x)
-            with jax.named_scope("qkv_proj"):
-                q, qr = attn.q_and_qr(h)
-                q = apply_rope(q, tp.pos, cs).astype(jnp.bfloat16)
-                kv = apply_rope(attn.swa_latent(h), tp.pos, cs).astype(jnp.bfloat16)
-                swa[lid] = kvc.insert(swa[lid], kv, cm.slot_mapping, fmt=fmt, block_size=BS)
-            r = role.compress_ratio
-            if r:
-                cbt = inp.comp_block_tables[r]
-                if role.owns_compressed_cache:
-                    with jax.named_scope("compressor"):
-                        rows = attn.compressor.rows(h)  # [T, 2, 512]
-                        if r == 1:
-                            latent = attn.compressor.pool(rows[:, None])
-                        else:
-                            latent, ring[lid] = _pool_groups(attn, rows, ring[lid], inp.ring_rows, cm, tp, valid,
-                                                             r, ecfg.ring_capacity)
-                        gpos = (tp.pos // r) * r
-                        main = apply_rope(latent, gpos, cs).astype(jnp.bfloat16)
-                        comp[lid] = kvc.insert(comp[lid], main, cslots[r], fmt=cfmt, block_size=CBS)
-                        ikey[lid] = _flat_scatter(ikey[lid], cslots[r], index_keys(attn, latent, gpos, cs))
-                src = str(role.kv_source_layer)
-                n_vis = jnp.where(valid, (tp.pos + 1) // r, 0)
-                if role.owns_indexer:
-                    with jax.named_scope("indexer"):
-                        nmax = ecfg.max_model_len // r
-                        lslots = md._paged_slot(cbt, tp.req[:, None], jnp.arange(nmax)[None, :], CBS)
-                        keys = _flat_gather(ikey[src], lslots)
-                        selected[role.layer_id] = run_indexer(attn, role, cfg, h, qr, tp.pos, cs, keys, n_vis, cands)
-                sel = selected[role.index_source_layer]
-            with jax.named_scope("sparse_attention"):
-                kw = dict(softmax_scale=cfg.softmax_scale, attn_sink=attn.attn_sink[...], impl=ecfg.impl)
-                if ecfg.mesh is not None:
-                    kw.update(mesh=ecfg.mesh, head_axis=ecfg.head_axis)
-                sparse_mla_decode, sparse_mla_prefill = _attention_ops(ecfg)
-                dec_kw = dict(kv_format=fmt, block_size=BS)
-                if r:
-                    gidx, glens = md.global_topk_indices(sel, tp.req, cbt, states_per_page=CBS, is_valid_token=is_dec & valid)
-                    dec_kw.update(extra_kv_cache=comp[src], extra_indices=gidx[:, None], extra_topk_length=glens,
-                                  extra_kv_format=cfmt, extra_block_size=CBS)
-                out_d, _ = sparse_mla_decode(q[:, None], swa[lid], sm.decode_swa_indices, sm.decode_swa_lens,
-                                             plan=sm.tile_sched.get(role.layer_type), **dec_kw, **kw)
-                N = ecfg.max_model_len // r if r else 0
-                M = N + T + W - 1
-                c_sl, s_sl = md.prefill_workspace_slots(
-                    cm.seq_lens, gl, cm.block_table, cbt if r else None, req_start=sm.num_decodes, num_chunk_reqs=R,
-                    N=N, M=M, swa_block_size=BS, compress_ratio=r, states_per_page=CBS)
-                parts = [kvc.gather(comp[src], c_sl, fmt=cfmt, block_size=CBS)] if N else []
-                parts.append(kvc.gather(swa[lid], s_sl, fmt=fmt, block_size=BS))
-                ws = jnp.concatenate(parts, axis=1).reshape(R * M, 512)
-                tk = sel if r else jnp.zeros((T, 0), jnp.int32)
-                pidx, plens = md.combine_topk_swa_indices(
-                    tk, cm.query_start_loc, cm.seq_lens, gl, req_start=sm.num_decodes, req_end=cm.num_reqs,
-                    window=W, compress_ratio=r, N=N, M=M)
-                out_p, _, _ = sparse_mla_prefill(q, ws, pidx, topk_length=plens, **kw)
-                out = jnp.where(is_dec[:, None, None], out_d[:, 0], out_p)
-            with jax.named_scope("o_proj"):
-                o = apply_inverse_rope(out.astype(_F32), tp.pos, cs)
-                x = decoder_tail(layer, x, attn.output(o))
-    logits = model.lm_head(model.norm(x))
-    return logits, {"swa": swa, "comp": comp, "ikey": ikey, "ring": ring}
 
 
 class InferenceEngine:
@@ -349,7 +178,7 @@ class InferenceEngine:
                 caches["comp"][str(role.layer_id)] = kvc.allocate(n_c, config.comp_block_size, config.comp_format)
                 caches["ikey"][str(role.layer_id)] = jnp.zeros((n_c, config.comp_block_size, cfg.index_head_dim), _F32)
                 if r > 1:
-                    caches["ring"][str(role.layer_id)] = jnp.zeros((config.max_reqs, config.ring_capacity, 2, 512), _F32)
+                    caches["ring"][str(role.layer_id)] = jnp.zeros((config.max_reqs, config.ring_capacity, 2, LATENT_DIM), _F32)
         if config.mesh is not None:  # the MQA latent caches are read by every head: replicated
             caches = jax.device_put(caches, jax.sharding.NamedSharding(config.mesh, jax.sharding.PartitionSpec()))
         self.caches = caches
@@ -359,7 +188,7 @@ class InferenceEngine:
         self.free_rows = list(range(config.max_reqs))
         self.requests: dict[int, dict] = {}
         self._next_id = 0
-        self._fn = jax.jit(functools.partial(_step, self.graphdef, ecfg=config), donate_argnums=(1,))
+        self._fn = jax.jit(functools.partial(run_step, self.graphdef, engine_config=config), donate_argnums=(1,))
         self.limits = config.limits
         self.envelope: tuple[StepShape, ...] = envelope_shapes(
             config.buckets, self.limits, block_size=config.block_size, comp_block_size=config.comp_block_size,
