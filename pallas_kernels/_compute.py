@@ -120,7 +120,6 @@ def _block(prog: Program, w: int, carry):
     b = n % NBUF
     plgpu.barrier_wait(s.full.at[b])
     kb = s.k.at[b]
-    idx_row = plgpu.load(s.idx.at[b], layout=ROW)  # noqa: F841
     idx_col = plgpu.load(s.idx.at[b], layout=COL)
 
     def qk(acc):  # this warpgroup's 256 dims

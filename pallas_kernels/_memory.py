@@ -20,7 +20,7 @@ from jax import lax
 
 from pallas_kernels import _gather
 from pallas_kernels._conversions import dequant_fp8, rope_combiner
-from pallas_kernels._spec import D, FP8_RECORD, HALF, HB, NBUF, ROW, T
+from pallas_kernels._spec import FP8_RECORD, HALF, HB, NBUF, ROW, T
 
 if TYPE_CHECKING:
     from pallas_kernels._kernel import Program
