@@ -36,9 +36,9 @@ from jax.experimental.mosaic.gpu import utils as mgu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
-__all__ = ["issue_block", "wait_groups", "bf16_to_f16_in_place"]
+from pallas_kernels._spec import HALF, SWIZZLE, TILE, T
 
-_T = 64
+__all__ = ["issue_block", "wait_groups", "bf16_to_f16_in_place"]
 
 
 def _i32(v):
@@ -192,7 +192,7 @@ def issue_block(kv_format: str, f16: bool = False):
     fp8 = kv_format == "fp8_ds_mla"
     types = [plgpu.RefType()] * (8 if fp8 else 4)
     # the K ring buffer carries the kernel's tiling and swizzle
-    types[2] = plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    types[2] = plgpu.RefType(transforms=(TILE, SWIZZLE))
 
     @plgpu.inline_mgpu(arg_types=tuple(types))
     def issue(ctx, cache, src_blk, dst, idx_dst, *fp8_refs):
@@ -217,7 +217,7 @@ def issue_block(kv_format: str, f16: bool = False):
                           dst32, _smem32(fp8_refs[1]), lane, warp, f16)
             return
         tile_base = _row_base(dst32, 0, warp, lane)
-        for k in range(_T // 4):
+        for k in range(T // 4):
             tok = arith.addi(warp, _i32(4 * k))
             off = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))
             valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
@@ -227,7 +227,7 @@ def issue_block(kv_format: str, f16: bool = False):
             d0 = _row_at(tile_base, k)  # chunk `lane` of half 0 of K row tok (swizzled)
             for h in range(2):  # half h (dims [256 h + 8 lane, +8)): the other K half is 32 KiB further
                 src = arith.addi(g, arith.addi(lane16_64, _i64(512 * h)))
-                _cp16(arith.addi(d0, _i32(_T * 256 * 2 * h)), src, nbytes)
+                _cp16(arith.addi(d0, _i32(T * HALF * 2 * h)), src, nbytes)
         _commit()
 
     return issue
@@ -240,7 +240,7 @@ def _row_base(dst32, h, warp, c):
     (a tile row: 4 KiB) and tok % 8 = warp + 4 (k % 2); the odd line r + 4 moves the chunk 512 B
     down and flips bit 2 of its swizzled position: address ^ 0x240 (the buffer is 1 KiB aligned)."""
     q = arith.xori(arith.andi(c, _i32(7)), warp)
-    d = arith.addi(dst32, _i32(h * _T * 256 * 2))
+    d = arith.addi(dst32, _i32(h * T * HALF * 2))
     d = arith.addi(d, arith.muli(arith.shrui(c, _i32(3)), _i32(1024)))
     return arith.addi(d, arith.addi(arith.muli(warp, _i32(128)), arith.muli(q, _i32(16))))
 
@@ -280,7 +280,7 @@ def _warp_sync():
 
 
 _GROUPS = 4  # cp.async groups per fp8 block: the conversion of one overlaps the later ones' copies
-assert (_T // 4 // _GROUPS) % 4 == 0  # f16: a group's RoPE chunks (8 per token) cover the warp's lanes
+assert (T // 4 // _GROUPS) % 4 == 0  # f16: a group's RoPE chunks (8 per token) cover the warp's lanes
 
 
 def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp, f16=False):
@@ -316,12 +316,12 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
     lane4 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4)))
     sc_row = arith.addi(sc_smem32, arith.muli(warp, _i32(8)))  # row tok = warp + 4 k: 32 k further
-    per = _T // 4 // _GROUPS
+    per = T // 4 // _GROUPS
     # chunk `lane` of a record: NoPE to half 0 chunk `lane`, RoPE chunks 0..3 to half 1 chunks 24..27;
     # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
     dst_base = arith.select(nope, _row_base(dst32, 0, warp, lane), _row_base(dst32, 1, warp, arith.subi(lane, _i32(4))))
     tail_base = _row_base(dst32, 1, warp, arith.addi(lane, _i32(28)))
-    for k in range(_T // 4):
+    for k in range(T // 4):
         off = _shfl(offs, _i32(k))
         valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
         nbytes = arith.select(valid, _i32(16), _i32(0))
@@ -388,9 +388,9 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     # Software-pipelined by one token: token k + 1's reads (another row) are issued before token k's
     # conversion, so their latency overlaps it (each warp has one token chain otherwise).
     nxt = load(0)
-    for k in range(_T // 4):
+    for k in range(T // 4):
         cur = nxt
-        if k + 1 < _T // 4:
+        if k + 1 < T // 4:
             nxt = load(k + 1)
         w = convert(*cur)
         _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
@@ -405,8 +405,7 @@ def bf16_to_f16_in_place(nbytes: int):
     if nbytes % (128 * 16):
         raise ValueError(f"nbytes must be a multiple of 2048, got {nbytes}")
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)),
-                                                             plgpu.SwizzleTransform(128))),))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(TILE, SWIZZLE)),))
     def convert(ctx, ref):
         del ctx
         base = arith.addi(_smem32(ref), arith.muli(arith.andi(mgu.thread_idx(), _i32(127)), _i32(16)))

@@ -58,7 +58,7 @@ def kernel_options(*, f16: bool | None = None):
     """Choose the operand type of kernels traced inside (benchmarks, tests): `f16=True` runs Q, the
     K tile and P in float16 (one P V wgmma; values beyond +-65504 saturate; a decode call's bf16
     caches are converted, whole, per call), `f16=False` keeps bf16 operands with P = P_hi + P_lo,
-    exact over bf16's range. None keeps the default (f16 for large prefills only)."""
+    exact over bf16's range. None leaves the choice as it is (default: f16 for large prefills only)."""
     prev = getattr(_override, "options", {})
     _override.options = {**prev, **({} if f16 is None else {"f16": bool(f16)})}
     try:
