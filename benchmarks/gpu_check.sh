@@ -8,9 +8,9 @@
 #   build         python -m cuda_ffi.build (sm_90a; SM100 is compiled on CPU CI, never run here)
 #   cuda-tests    tests/gpu/test_cuda_gpu.py       pallas-tests  tests/gpu/test_pallas_gpu.py
 #   install-tests tests/gpu/test_install_gpu.py (the first-use CUDA build, explain_impl, the fallback warning, info)
-#   pallas-ablation  pallas_kernels.bench on the two target cases with timing-only variants that leave a
-#                 stage out ($PALLAS_VARIANTS, default "default,staged,no_copy,no_compute,bf16_p";
-#                 $ABL_CASES decode,prefill); not recorded (experiments)
+#   pallas-ablation  benchmarks.pallas_kernels_bench on the two target cases with kernel variants
+#                 ($PALLAS_VARIANTS, default "default,f16,bf16_ops,splits=1"; $ABL_CASES decode,prefill);
+#                 not recorded (comparisons)
 #   pallas-ncu    Nsight Compute over one pallas kernel call per case ($NCU_CASES): report, details page,
 #                 per-instruction SASS page, log and a bench folder per case: point OUT elsewhere and
 #                 copy what you need (the device tool returns at most 8 files)
@@ -101,7 +101,7 @@ for s in "${stages[@]}"; do
       $PY -c "import flax; print('flax', flax.__version__)" 2>&1 | tail -1 ;;
     build) run $PY -m cuda_ffi.build --archs 90a 2>&1 | tail -3 ;;
     cuda-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda_gpu.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -30 ;;
-    pallas-ablation) run timeout 500 $PY -m pallas_kernels.bench --iters 5 --variants "${PALLAS_VARIANTS:-default,staged,no_copy,no_compute,bf16_p}" \
+    pallas-ablation) run timeout 500 $PY -m benchmarks.pallas_kernels_bench --iters 5 --variants "${PALLAS_VARIANTS:-default,f16,bf16_ops,splits=1}" \
         --cases "${ABL_CASES:-decode,prefill}" 2>&1 | tee "$OUT/pallas_ablation.log" | grep -v "^  (CUPTI" ;;
     pallas-ncu) ncu_cases pallas sparse_mla_kernel pncu sass sass "|Shared Memory" ;;
     install-tests) run timeout 560 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_install_gpu.py 2>&1 | tee "$OUT/install_tests.log" | tail -40 ;;

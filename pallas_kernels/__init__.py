@@ -12,7 +12,7 @@ to "xla". Any head count: heads are padded to a multiple of 64 internally (one p
 heads) and the padding is sliced off. On a machine without a GPU the kernels run in Mosaic GPU
 interpret mode (slow; see `pallas_kernels._interpret`).
 
-Design, numbers and limits: `pallas_kernels._kernel` and benchmarks/pallas_notes.md.
+Design, numbers and limits: `pallas_kernels._kernel` and docs/pallas_kernels.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,30 @@
 """The memory warpgroup's token gather on the GPU: 16-byte `cp.async` copies issued by all 128 threads.
 
 Pallas' own `copy_gmem_to_smem` issues one bulk copy at a time from an elected thread, behind a
-warpgroup barrier and a 128-thread barrier arrival per copy; with one copy per token that loop
-took ~190 cycles per token and, measured alone, 680 us of the 1270 us decode headline
-(benchmarks/pallas_notes.md, section 6). Here every thread of the memory warpgroup issues its own
-share of a 64-token block as 16-byte `cp.async.cg` copies (and, for fp8 scale bytes, 8-byte
-`cp.async.ca`), written with `plgpu.inline_mgpu`
-(Mosaic GPU's escape hatch; this is the only use of it, and the interpreter cannot run it, so the
-kernel keeps a Pallas-level formulation for interpret mode).
+warpgroup barrier and a 128-thread barrier arrival per copy: with one copy per token that bounds
+decode (docs/pallas_kernels.md). Here every thread of the memory warpgroup issues its own share
+of a 64-token block as 16-byte `cp.async.cg` copies (and, for fp8 scale bytes, 8-byte
+`cp.async.ca`), written with `plgpu.inline_mgpu` (Mosaic GPU's escape hatch; the interpreter
+cannot run it, so the kernel keeps a Pallas-level formulation for interpret mode).
 
 Work split: warp `w` of the memory warpgroup takes tokens w, w + 4, ..., w + 60; per token its 32
 lanes copy consecutive 16-byte chunks (one coalesced 512 B request per instruction). Each lane
-reads the token's source (byte offset / row number, -1 masked) itself from global memory
-(`fp8_tile`: lane l loads token w + 4 (l % 16)'s and the warp shuffles them). Masked
-tokens copy with source size 0, which zero-fills the destination (required where the kernel feeds
-the destination straight into a wgmma: a masked row must be 0, never stale or NaN).
+reads the token's source (byte offset / row number, -1 masked) itself from global memory (fp8:
+lane l loads token w + 4 (l % 16)'s and the warp shuffles them). Masked tokens copy with source
+size 0, which zero-fills the destination (required: the destination feeds a wgmma unselected, so
+a masked row must be 0, never stale or NaN).
 
-Destinations:
-- `fp8_stage`: the record's 448 NoPE bytes into row i (pitch `pitch` bytes) of the raw staging
-  buffer, its 128 RoPE bytes into row i (pitch `rope_pitch` bytes) of a bf16 RoPE buffer (bytes in, bf16 values
-  out: no conversion needed), and the block's scale factors (f32 [8, 64], prepared by XLA) into
-  the scale buffer;
-- `bf16_stage`: the 1 KiB row into row i (pitch `pitch`) of the staging buffer;
-- `bf16_tile`: the 1 KiB row straight into row i of the two swizzled K halves [2, 64, 256] (bf16,
-  (8, 64) tiles of 1 KiB, 128-byte swizzle: the 16 B chunk q of a 128 B line r goes to q ^ (r % 8)),
-  i.e. the wgmma operand layout, so the compute warpgroups do no relayout;
-- `fp8_tile`: the record into the same K tile, converted there by the memory warpgroup before the
-  issue returns (`_fp8_in_place`): the fp8 work leaves the compute warpgroups, and no registers are
-  held while the copies are in flight. (A first version loaded the records into registers; ptxas
-  moved each load next to its use, one record in flight per warp: 1285 us against 591 staged.)
+Destination: the K tile, two swizzled halves [2, 64, 256] ((8, 64) tiles of 1 KiB, 128-byte
+swizzle: the 16 B chunk q of a 128 B line r goes to q ^ (r % 8)), i.e. the wgmma operand layout,
+so the compute warpgroups do no relayout:
+- bf16 rows: the 1 KiB row straight into row i;
+- fp8_ds_mla records: copied into the same tile and converted there before the issue returns
+  (`_fp8_in_place`): the fp8 work stays out of the compute warpgroups, and no registers are held
+  while the copies are in flight (records loaded into registers get each load scheduled next to
+  its use by ptxas, one record in flight per warp).
 Plus the block's 64 sources (256 B) into the index buffer, for the compute warpgroups' masks.
 
-The copies are committed as one `cp.async` group (`fp8_tile`: four, all landed when it returns);
+The copies are committed as one `cp.async` group (fp8: four, all landed when it returns);
 `wait_groups` waits for this thread's groups (`cp.async.wait_group`), after which the caller fences
 and arrives on the block's barrier.
 """
@@ -43,9 +36,9 @@ from jax.experimental.mosaic.gpu import utils as mgu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
-__all__ = ["issue_block", "wait_groups", "bf16_to_f16_in_place"]
+from pallas_kernels._spec import HALF, SWIZZLE, TILE, T
 
-_T = 64
+__all__ = ["issue_block", "wait_groups", "bf16_to_f16_in_place"]
 
 
 def _i32(v):
@@ -184,23 +177,22 @@ def _entry(cache64, valid, off):
     return arith.addi(cache64, arith.select(valid, arith.extsi(ir.IntegerType.get_signless(64), off), _i64(0)))
 
 
-def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, f16: bool = False):
+def issue_block(kv_format: str, f16: bool = False):
     """Returns `f(cache, src_blk, dst, idx_dst, *fp8_refs)` for `plgpu` code (memory warpgroup).
 
-    cache: the pool's GMEM operand (fp8: uint8 bytes; bf16: [rows, 512]); src_blk: int32 [64], this
-    block's sources; dst: the staging buffer (`*_stage`) or the K buffer [2, 64, 256] (`*_tile`);
-    idx_dst: int32 [64] SMEM. fp8_refs, `fp8_stage`: scales_blk f32 [8, 64] (GMEM), scale_dst (SMEM)
-    and rope_dst (SMEM bf16 rows of `rope_pitch` bytes); `fp8_tile`: the block's scale-byte offsets
-    int32 [64] (GMEM), scale_dst uint8 [64, 8] (SMEM), and the next block's sources and scale-byte
-    offsets (GMEM, for the L2 prefetch). `f16`: the K tile holds float16 (`fp8_tile` converts the
-    records and their RoPE values to f16; row pools are copied as they are, so the caller gives
-    f16 rows).
+    cache: the pool's GMEM operand (fp8_ds_mla: uint8 bytes; bf16: [rows, 512]); src_blk: int32
+    [64], this block's sources; dst: the K buffer [2, 64, 256]; idx_dst: int32 [64] SMEM. fp8_refs
+    (fp8_ds_mla): the block's scale-byte offsets int32 [64] (GMEM), scale_dst uint8 [64, 8] (SMEM),
+    and the next block's sources and scale-byte offsets (GMEM, for the L2 prefetch). `f16`: the K
+    tile holds float16 (fp8 records and their RoPE values are converted to f16; bf16 row pools are
+    copied as they are, so the caller gives f16 rows).
     """
-    if kind not in ("fp8_stage", "bf16_stage", "bf16_tile", "fp8_tile"):
-        raise ValueError(f"kind must be fp8_stage, bf16_stage, bf16_tile or fp8_tile, got {kind!r}")
-    types = [plgpu.RefType()] * {"fp8_stage": 7, "fp8_tile": 8}.get(kind, 4)
-    if kind in ("bf16_tile", "fp8_tile"):  # the K ring buffer carries the kernel's tiling and swizzle
-        types[2] = plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    if kv_format not in ("bf16", "fp8_ds_mla"):
+        raise ValueError(f"kv_format must be 'bf16' or 'fp8_ds_mla', got {kv_format!r}")
+    fp8 = kv_format == "fp8_ds_mla"
+    types = [plgpu.RefType()] * (8 if fp8 else 4)
+    # the K ring buffer carries the kernel's tiling and swizzle
+    types[2] = plgpu.RefType(transforms=(TILE, SWIZZLE))
 
     @plgpu.inline_mgpu(arg_types=tuple(types))
     def issue(ctx, cache, src_blk, dst, idx_dst, *fp8_refs):
@@ -220,46 +212,22 @@ def issue_block(kind: str, pitch: int = 0, rope_pitch: int = 0, f16: bool = Fals
         # The block's sources for the compute warpgroups: 16 threads x 16 B.
         _cp16_if(arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, _i32(16))),
                  arith.addi(_smem32(idx_dst), tid16), arith.addi(src64, tid16_64))
-        if kind == "fp8_stage":
-            rope32 = _smem32(fp8_refs[2])
-            # the block's scale factors (f32 [8, 64] = 2 KiB): 16 B per thread
-            _cp16(arith.addi(_smem32(fp8_refs[1]), tid16), arith.addi(_addr64(fp8_refs[0]), tid16_64), _i32(16))
-        tile_base = _row_base(dst32, 0, warp, lane) if kind == "bf16_tile" else None
-        if kind == "fp8_tile":
+        if fp8:
             _fp8_in_place(cache64, src64, _addr64(fp8_refs[0]), _addr64(fp8_refs[2]), _addr64(fp8_refs[3]),
                           dst32, _smem32(fp8_refs[1]), lane, warp, f16)
             return
-        for k in range(_T // 4):
+        tile_base = _row_base(dst32, 0, warp, lane)
+        for k in range(T // 4):
             tok = arith.addi(warp, _i32(4 * k))
             off = _ld_b32(arith.addi(src64, arith.extui(i64, arith.muli(tok, _i32(4)))))
             valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
             nbytes = arith.select(valid, _i32(16), _i32(0))
-            if kind == "fp8_stage":
-                g = _entry(cache64, valid, off)
-                row = arith.addi(dst32, arith.muli(tok, _i32(pitch)))
-                rope = arith.addi(rope32, arith.muli(tok, _i32(rope_pitch)))  # the RoPE row
-                # chunk `lane` (bytes 0..511): NoPE chunks 0..27 to the staging row, RoPE chunks 0..3
-                # (lanes 28..31) to the RoPE row; masked records are zero-filled
-                nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
-                d = arith.select(nope, arith.addi(row, lane16), arith.addi(rope, arith.subi(lane16, _i32(448))))
-                _cp16(d, arith.addi(g, lane16_64), nbytes)
-                # RoPE chunks 4..7 (bytes 512..575) by lanes 0..3
-                tail = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4))
-                _cp16_if(arith.extui(i32, tail), arith.addi(rope, arith.addi(lane16, _i32(64))),
-                         arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
-            else:
-                base = arith.muli(arith.select(valid, arith.extsi(i64, off), _i64(0)), _i64(1024))
-                g = arith.addi(cache64, base)
-                if kind == "bf16_stage":  # chunk `lane` of the row's half 0 in the staging row
-                    d0 = arith.addi(arith.addi(dst32, arith.muli(tok, _i32(pitch))), lane16)
-                else:  # chunk `lane` of half 0 of K row tok (swizzled)
-                    d0 = _row_at(tile_base, k)
-                # half h (dims [256 h + 8 lane, +8)): 512 B further in a staging row, 32 KiB (the
-                # other K half) further in the tile
-                half_step = 512 if kind == "bf16_stage" else _T * 256 * 2
-                for h in range(2):
-                    src = arith.addi(g, arith.addi(lane16_64, _i64(512 * h)))
-                    _cp16(arith.addi(d0, _i32(half_step * h)), src, nbytes)
+            base = arith.muli(arith.select(valid, arith.extsi(i64, off), _i64(0)), _i64(1024))
+            g = arith.addi(cache64, base)
+            d0 = _row_at(tile_base, k)  # chunk `lane` of half 0 of K row tok (swizzled)
+            for h in range(2):  # half h (dims [256 h + 8 lane, +8)): the other K half is 32 KiB further
+                src = arith.addi(g, arith.addi(lane16_64, _i64(512 * h)))
+                _cp16(arith.addi(d0, _i32(T * HALF * 2 * h)), src, nbytes)
         _commit()
 
     return issue
@@ -272,7 +240,7 @@ def _row_base(dst32, h, warp, c):
     (a tile row: 4 KiB) and tok % 8 = warp + 4 (k % 2); the odd line r + 4 moves the chunk 512 B
     down and flips bit 2 of its swizzled position: address ^ 0x240 (the buffer is 1 KiB aligned)."""
     q = arith.xori(arith.andi(c, _i32(7)), warp)
-    d = arith.addi(dst32, _i32(h * _T * 256 * 2))
+    d = arith.addi(dst32, _i32(h * T * HALF * 2))
     d = arith.addi(d, arith.muli(arith.shrui(c, _i32(3)), _i32(1024)))
     return arith.addi(d, arith.addi(arith.muli(warp, _i32(128)), arith.muli(q, _i32(16))))
 
@@ -311,8 +279,8 @@ def _warp_sync():
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.warp.sync -1;", "", has_side_effects=True)
 
 
-_GROUPS = 4  # cp.async groups per block in fp8_tile: the conversion of one overlaps the later ones' copies
-assert (_T // 4 // _GROUPS) % 4 == 0  # f16: a group's RoPE chunks (8 per token) cover the warp's lanes
+_GROUPS = 4  # cp.async groups per fp8 block: the conversion of one overlaps the later ones' copies
+assert (T // 4 // _GROUPS) % 4 == 0  # f16: a group's RoPE chunks (8 per token) cover the warp's lanes
 
 
 def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp, f16=False):
@@ -328,7 +296,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     landed, one token at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and,
     for l < 24, of half 1 (bytes 256 + 8 l, group 4 + l // 8), the warp synchronizes (the reads of
     the raw bytes precede the writes that overwrite them), and lane l writes chunk l of both halves
-    (x * 2^(e - 127), rounded once to bf16; e = 0 gives 0, as the staged kernel's XLA factors do:
+    (x * 2^(e - 127), rounded once to bf16; e = 0 gives 0, as the interpreter's XLA factors do:
     the reference's 2^-127 differs by < 448 * 2^-127, and the quantizer never writes a 0 byte).
     `f16`: the rows are written as f16 (`_e4m3_token_f16`), and once a group has landed each lane
     also rewrites one RoPE chunk of the group's tokens (bf16 -> f16, `_chunk_to_f16`)."""
@@ -348,12 +316,12 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
     lane4 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4)))
     sc_row = arith.addi(sc_smem32, arith.muli(warp, _i32(8)))  # row tok = warp + 4 k: 32 k further
-    per = _T // 4 // _GROUPS
+    per = T // 4 // _GROUPS
     # chunk `lane` of a record: NoPE to half 0 chunk `lane`, RoPE chunks 0..3 to half 1 chunks 24..27;
     # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
     dst_base = arith.select(nope, _row_base(dst32, 0, warp, lane), _row_base(dst32, 1, warp, arith.subi(lane, _i32(4))))
     tail_base = _row_base(dst32, 1, warp, arith.addi(lane, _i32(28)))
-    for k in range(_T // 4):
+    for k in range(T // 4):
         off = _shfl(offs, _i32(k))
         valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
         nbytes = arith.select(valid, _i32(16), _i32(0))
@@ -420,9 +388,9 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     # Software-pipelined by one token: token k + 1's reads (another row) are issued before token k's
     # conversion, so their latency overlaps it (each warp has one token chain otherwise).
     nxt = load(0)
-    for k in range(_T // 4):
+    for k in range(T // 4):
         cur = nxt
-        if k + 1 < _T // 4:
+        if k + 1 < T // 4:
             nxt = load(k + 1)
         w = convert(*cur)
         _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
@@ -437,8 +405,7 @@ def bf16_to_f16_in_place(nbytes: int):
     if nbytes % (128 * 16):
         raise ValueError(f"nbytes must be a multiple of 2048, got {nbytes}")
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(plgpu.TilingTransform((8, 64)),
-                                                             plgpu.SwizzleTransform(128))),))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(TILE, SWIZZLE)),))
     def convert(ctx, ref):
         del ctx
         base = arith.addi(_smem32(ref), arith.muli(arith.andi(mgu.thread_idx(), _i32(127)), _i32(16)))

@@ -4,12 +4,11 @@ The XLA side only touches indices and per-entry metadata, never the KV data:
 - per pool and selected entry, the source of the token in the cache -- the byte offset of its
   fp8_ds_mla record (`block * page_bytes + offset * 576`) or its bf16 row (the global slot) --
   or -1 when the entry is masked (index < 0, index >= capacity, or position >= topk_length);
-- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad): on the GPU's direct
-  kernel (the default) their byte offsets, read by the kernel itself; for the staged kernel
-  (`fp8_direct=False`) and the interpreter one 8-byte gather per entry (1.4 % of the bytes per
-  token), turned into the factors 2^(e - 127) as f32 laid out [row, block, group, token], so the
-  kernel loads one group's per-token factors as one row vector; masked entries read nothing and
-  get 0 (-1 offsets);
+- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad): on the GPU their
+  byte offsets, read by the kernel itself; for the interpreter one 8-byte gather per entry,
+  turned into the factors 2^(e - 127) as f32 laid out [row, block, group, token], so the kernel
+  loads one group's per-token factors as one row vector; masked entries read nothing and get 0
+  (-1 offsets);
 - per row and pool, the number of 64-token blocks `ceil(min(topk_length, topk) / 64)`.
 
 Splits: a fixed split of each row's valid blocks into `num_splits` equal parts (not FlashMLA's
@@ -22,23 +21,22 @@ the final output, otherwise f32 partials merged by `combine_splits` (jnp).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 
 import jax
 import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
+from dsv41_jax.scheduler import default_num_sms
 from pallas_kernels import _interpret
-from pallas_kernels._kernel import (_SMEM_LIMIT, FP8_RECORD, HB, T, KernelSpec, PoolSpec, _to_tile, build_kernel,
-                                    fp8_scale_offsets, smem_bytes)
+from pallas_kernels._conversions import to_tile
+from pallas_kernels._kernel import build_kernel
+from pallas_kernels._spec import FP8_RECORD, HB, KernelSpec, PoolSpec, T, fp8_scale_offsets
 
 __all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
-           "to_f16", "prefill_rows_f16",
-           "num_splits_override", "kernel_options"]
+           "to_f16", "prefill_rows_f16", "num_splits_override", "kernel_options", "KV_FORMATS"]
 
-_FORMATS = ("bf16", "fp8_ds_mla")
-_DEFAULT_SMS = 132  # H100/H200; the real count is read from the device when it is a GPU
+KV_FORMATS = ("bf16", "fp8_ds_mla")  # the cache formats the kernels read
 
 
 _override = threading.local()
@@ -56,13 +54,13 @@ def num_splits_override(n: int | None):
 
 
 @contextlib.contextmanager
-def kernel_options(**options):
-    """Override `KernelSpec` fields (`qk_exchange`, `p_split`, `fp8_direct` -- which also selects the fp8
-    scale operands --, `f16` -- False keeps bf16 operands with P = P_hi + P_lo, exact over bf16's
-    range; True also converts a decode call's bf16 caches, whole, per call --, `mem_regs`, the
-    timing-only `ablate`) of kernels traced inside (benchmarks, tests)."""
+def kernel_options(*, f16: bool | None = None):
+    """Choose the operand type of kernels traced inside (benchmarks, tests): `f16=True` runs Q, the
+    K tile and P in float16 (one P V wgmma; values beyond +-65504 saturate; a decode call's bf16
+    caches are converted, whole, per call), `f16=False` keeps bf16 operands with P = P_hi + P_lo,
+    exact over bf16's range. None leaves the choice as it is (default: f16 for large prefills only)."""
     prev = getattr(_override, "options", {})
-    _override.options = {**prev, **options}
+    _override.options = {**prev, **({} if f16 is None else {"f16": bool(f16)})}
     try:
         yield
     finally:
@@ -73,52 +71,42 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def _num_sms() -> int:
-    try:
-        if jax.default_backend() == "gpu":
-            n = getattr(jax.devices()[0], "core_count", None)
-            if isinstance(n, int) and n > 0:
-                return n
-    except Exception:  # pragma: no cover - device query failures fall back to the default
-        pass
-    return _DEFAULT_SMS
-
-
 def choose_num_splits(rows: int, head_groups: int, max_blocks: int, num_sms: int | None = None) -> int:
     """Static split count: enough programs for ~2 waves, at least 4 blocks (256 tokens) per split."""
-    num_sms = num_sms or _num_sms()
+    num_sms = num_sms or default_num_sms()
     ctas = max(rows * head_groups, 1)
     want = _cdiv(2 * num_sms, ctas)
     return int(max(1, min(want, max_blocks // 4, 64)))
 
 
-def unsupported_reason(fmt: str, cache) -> str | None:
-    if fmt not in _FORMATS:
-        return f"the pallas kernels read kv formats {list(_FORMATS)}, not {fmt!r} (use impl='xla')"
-    if fmt == "fp8_ds_mla" and cache.size >= 2**31 - 4096:
+def unsupported_reason(kv_format: str, cache) -> str | None:
+    """Why the kernels cannot read this cache, or None."""
+    if kv_format not in KV_FORMATS:
+        return f"the pallas kernels read kv formats {list(KV_FORMATS)}, not {kv_format!r} (use impl='xla')"
+    if kv_format == "fp8_ds_mla" and cache.size >= 2**31 - 4096:
         return "fp8_ds_mla caches of 2 GiB or more are not supported by the pallas kernels (int32 byte offsets)"
     return None
 
 
-def pool_operands(cache, fmt: str, block_size: int, idx, lens, scale_offsets: bool = False):
+def pool_operands(cache, kv_format: str, block_size: int, idx, lens, scale_offsets: bool = False):
     """(operands, PoolSpec, blocks per row) of one pool. idx int32 [R, K]; lens int32 [R].
 
     Operands: the cache view, the sources src int32 [R, kpad] (fp8: the record's byte offset; bf16:
     the row; -1 masked) and, for fp8 pools, the scale factors: f32 [R, kpad / 64, 8, 64] (2^(e - 127)
-    per block, group, token: the staged and interpreted kernels), or with `scale_offsets` (the GPU's
-    direct kernel, which reads the 8 UE8M0 bytes itself) their byte offsets int32 [R, kpad] (-1 masked)."""
+    per block, group, token: the interpreter), or with `scale_offsets` (the GPU kernel, which reads
+    the 8 UE8M0 bytes itself) their byte offsets int32 [R, kpad] (-1 masked)."""
     R, K = idx.shape
     kpad = max(_cdiv(K, T), 1) * T
-    cap = kvc.cache_capacity(cache, fmt, block_size)
+    cap = kvc.cache_capacity(cache, kv_format, block_size)
     pos = jnp.arange(K, dtype=jnp.int32)[None, :]
     valid = (pos < lens[:, None]) & (idx >= 0) & (idx < cap)
     safe = jnp.where(valid, idx, 0)
-    if fmt == "bf16":
+    if kv_format == "bf16":
         view = cache.reshape(-1, cache.shape[-1])
         src = jnp.where(valid, safe, -1)
         extra = ()
     else:
-        pb = kvc.page_bytes(fmt, block_size)
+        pb = kvc.page_bytes(kv_format, block_size)
         view = cache.reshape(-1)
         blk, t = safe // block_size, safe % block_size
         src = jnp.where(valid, blk * pb + t * FP8_RECORD, -1)
@@ -137,7 +125,7 @@ def pool_operands(cache, fmt: str, block_size: int, idx, lens, scale_offsets: bo
     if kpad > K:
         src = jnp.pad(src, ((0, 0), (0, kpad - K)), constant_values=-1)
     nblk = (jnp.clip(lens, 0, K) + T - 1) // T
-    return (view, src.astype(jnp.int32)) + extra, PoolSpec(fmt, kpad), nblk.astype(jnp.int32)
+    return (view, src.astype(jnp.int32)) + extra, PoolSpec(kv_format, kpad), nblk.astype(jnp.int32)
 
 
 def combine_splits(o, lse, mx, sink):
@@ -159,14 +147,14 @@ def combine_splits(o, lse, mx, sink):
 
 def to_f16(x):
     """bf16 rows -> f16, rounded once, saturated to +-65504 (NaN stays NaN): f16 kernels' row pools."""
-    return _to_tile(x.astype(jnp.float32), jnp.float16)  # the kernel's own rounding and saturation
+    return to_tile(x.astype(jnp.float32), jnp.float16)  # the kernel's own rounding and saturation
 
 
 def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
     """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse.
 
     `f16` (unless `kernel_options` says otherwise): run the kernel with f16 operands
-    (`KernelSpec.f16_operands`), bf16 row pools converted to f16 here (their whole operand)."""
+    (`KernelSpec.f16`), bf16 row pools converted to f16 here (their whole operand)."""
     R, h, _ = q_rows.shape
     if R == 0:
         return (jnp.zeros((0, h, q_rows.shape[2]), jnp.bfloat16), jnp.zeros((0, h), jnp.float32),
@@ -181,15 +169,11 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
     if num_splits is None:
         num_splits = choose_num_splits(R, Hp // HB, max_blocks)
     num_splits = int(max(1, min(num_splits, max(max_blocks, 1))))
+    f16 = getattr(_override, "options", {}).get("f16", f16)
     spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
                       softmax_scale=float(softmax_scale), has_sink=sink is not None,
                       interpret=_interpret.active(), f16=f16)
-    options = getattr(_override, "options", {})
-    spec = dataclasses.replace(spec, **options)
-    if smem_bytes(spec) > _SMEM_LIMIT and "qk_exchange" not in options:
-        # staged bf16 + fp8 pools (fp8_direct=False): no room for the score exchange buffers
-        spec = dataclasses.replace(spec, qk_exchange=False)
-    if spec.f16_operands:  # the kernel converts Q's values in SMEM (an XLA pass would cost a q round trip)
+    if spec.f16:  # the kernel converts Q's values in SMEM (an XLA pass would cost a q round trip)
         q_rows = jax.lax.bitcast_convert_type(q_rows, jnp.float16)
     args = [q_rows, counts]
     sink_p = None
@@ -197,10 +181,10 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
         sink_p = jnp.pad(sink.astype(jnp.float32), (0, Hp - h), constant_values=-jnp.inf) if Hp != h else sink
         args.append(sink_p.astype(jnp.float32))
     for ops, ps, _ in pools:
-        if ps.fmt == "fp8_ds_mla" and (ops[2].ndim == 2) != spec.scale_offsets:  # operands built for another kernel
+        if ps.fp8 and (ops[2].ndim == 2) != spec.scale_offsets:  # operands built for another kernel
             raise RuntimeError(f"fp8 scale operand of shape {ops[2].shape} does not match the kernel "
                                f"(scale_offsets={spec.scale_offsets})")
-        if ps.fmt == "bf16" and spec.f16_operands:
+        if not ps.fp8 and spec.f16:
             ops = (to_f16(ops[0]),) + tuple(ops[1:])
         args.extend(ops)
     with _interpret.kernel_context():
@@ -209,12 +193,6 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
         out, lse, mx = combine_splits(out, lse, mx, sink_p)
     out = out.astype(jnp.bfloat16)
     return out[:, :h], mx[:, :h], lse[:, :h]
-
-
-def _scale_offsets() -> bool:
-    """`fp8_scale_offsets` for the kernel `_run` will build (options and interpret mode of this trace)."""
-    fp8_direct = getattr(_override, "options", {}).get("fp8_direct", KernelSpec.fp8_direct)
-    return fp8_scale_offsets(fp8_direct, _interpret.active())
 
 
 def decode(call, *, num_splits: int | None = None):
@@ -229,7 +207,7 @@ def decode(call, *, num_splits: int | None = None):
     def rows(idx, lens):
         return idx.reshape(R, idx.shape[2]), jnp.repeat(lens.astype(jnp.int32), s_q)
 
-    so = _scale_offsets()
+    so = fp8_scale_offsets(_interpret.active())  # the form of the kernel `_run` builds
     tl, etl = call.lengths()
     pools = [pool_operands(call.kv_cache, call.kv_format, call.block_size, *rows(call.indices, tl), scale_offsets=so)]
     if call.has_extra:
@@ -237,8 +215,8 @@ def decode(call, *, num_splits: int | None = None):
                                    *rows(call.extra_indices, etl), scale_offsets=so))
     if call.batch_invariant:  # one program per row and head group over the whole row: no split-KV
         num_splits = 1
-    # bf16 operands: f16 ones (kernel_options(f16=True)) measured no faster here, the memory
-    # warpgroup's gather bounds decode (benchmarks/pallas_notes.md, section 8)
+    # bf16 operands: f16 ones (kernel_options(f16=True)) are no faster for decode, whose time the
+    # memory warpgroup's gather bounds (docs/pallas_kernels.md)
     out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits)
     return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
 

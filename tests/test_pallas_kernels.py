@@ -17,10 +17,10 @@
    appear in the module.
 3. Registration: importing the package touches no GPU, `supports` refuses the formats the kernels
    do not read, the availability probe reports the CPU as unavailable.
-4. Static checks and operands: SMEM of each kernel mode within the Hopper limit (and the bf16 + fp8
-   case that must drop the score exchange), argument errors of `KernelSpec` / the gather, and the
-   XLA-side fp8 scale factors against the cache bytes. The GPU-only gather (`_gather.py`, inline
-   PTX) is lowered here but only runs in tests/gpu/test_pallas_gpu.py.
+4. Static checks and operands: SMEM and registers of each kernel kind within the Hopper limits,
+   argument errors of the gather, the operand type choice, and the XLA-side fp8 scale factors
+   against the cache bytes. The GPU-only gather (`_gather.py`, inline PTX) is lowered here but
+   only runs in tests/gpu/test_pallas_gpu.py.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def _worker(names: list[str]) -> None:
 
 # ------------------------------------------------------------------------------ the parent
 class _Worker:
-    """One worker subprocess running every interpret case (one process: parallel workers were
-    slower on 2 cores). Started by the first test of this module so that the in-process lowering
+    """One worker subprocess running every interpret case (one process: parallel workers would only
+    compete for the cores of a small machine). Started by the first test of this module so that the in-process lowering
     tests overlap with it; `results()` waits for it (with a timeout)."""
 
     def __init__(self, names: list[str]):
@@ -227,12 +227,12 @@ def test_registration_supports_and_availability():
     assert pallas_kernels.availability_reason() is not None  # CPU: not runnable natively
     q = jnp.zeros((1, 1, 4, 512), jnp.bfloat16)
     idx = jnp.zeros((1, 1, 64), jnp.int32)
-    for fmt in ("mxfp8_ds_mla", "nvfp4_ds_mla"):
-        cache = kvc.allocate(2, 64, fmt)
+    for kv_format in ("mxfp8_ds_mla", "nvfp4_ds_mla"):
+        cache = kvc.allocate(2, 64, kv_format)
         with pytest.raises(ValueError, match="pallas"):
-            d.sparse_mla_decode(q, cache, idx, kv_format=fmt, block_size=64, softmax_scale=0.1, impl="pallas")
+            d.sparse_mla_decode(q, cache, idx, kv_format=kv_format, block_size=64, softmax_scale=0.1, impl="pallas")
         # auto falls back to the reference
-        out, lse = d.sparse_mla_decode(q, cache, idx, kv_format=fmt, block_size=64, softmax_scale=0.1, impl="auto")
+        out, lse = d.sparse_mla_decode(q, cache, idx, kv_format=kv_format, block_size=64, softmax_scale=0.1, impl="auto")
         assert out.shape == q.shape and lse.shape == (1, 1, 4)
     mx_cache = kvc.allocate(2, 64, "fp8_ds_mla")
     with pytest.raises(ValueError, match="pallas"):
@@ -244,63 +244,57 @@ def test_registration_supports_and_availability():
 # ------------------------------------------------------------------- static checks, operands
 def test_kernel_spec_checks_and_smem():
     from pallas_kernels import _gather
-    from pallas_kernels._kernel import _SMEM_LIMIT, KernelSpec, PoolSpec, build_kernel, smem_bytes
+    from pallas_kernels._kernel import build_kernel
+    from pallas_kernels._spec import SMEM_LIMIT, KernelSpec, PoolSpec, smem_bytes
 
     fp8, bf16 = PoolSpec("fp8_ds_mla", 128), PoolSpec("bf16", 128)
     base = dict(rows=2, heads=64, num_splits=1, softmax_scale=0.1, has_sink=True, interpret=False)
-    staged = KernelSpec(pools=(fp8, fp8), fp8_direct=False, **base)
-    direct = KernelSpec(pools=(bf16,), **base)
-    fp8_direct = KernelSpec(pools=(fp8, fp8), **base)
+    rows = KernelSpec(pools=(bf16,), **base)
+    fp8_only = KernelSpec(pools=(fp8, fp8), **base)
     mixed = KernelSpec(pools=(bf16, fp8), **base)
-    assert not staged.direct and staged.nbuf == 1 and staged.xbufs == 2
-    for spec in (direct, fp8_direct, mixed):
-        assert spec.direct and spec.nbuf == 2
     # two exchange buffers fit beside a bf16 ring, not beside an fp8 one (its scale bytes)
-    assert direct.xbufs == 2 and fp8_direct.xbufs == mixed.xbufs == 1
+    assert rows.xbufs == 2 and fp8_only.xbufs == mixed.xbufs == 1
     # setmaxnreg: the three warpgroups together never ask for more than the CTA's 504 registers
-    assert staged.registers == direct.registers == (40, 232)
-    assert fp8_direct.registers == mixed.registers == (56, 224)
-    assert KernelSpec(pools=(fp8,), mem_regs=72, **base).registers == (72, 216)
-    for spec in (staged, direct, fp8_direct, mixed, KernelSpec(pools=(bf16, fp8), fp8_direct=False,
-                                                                 qk_exchange=False, **base)):
-        assert smem_bytes(spec) <= _SMEM_LIMIT, (spec, smem_bytes(spec))
+    assert rows.registers == (40, 232)
+    assert fp8_only.registers == mixed.registers == (56, 224)
+    for spec in (rows, fp8_only, mixed, KernelSpec(pools=(fp8,), **{**base, "has_sink": False}),
+                 KernelSpec(pools=(bf16,), f16=True, **base)):
+        assert smem_bytes(spec) <= SMEM_LIMIT, (spec, smem_bytes(spec))
         assert spec.registers[0] + 2 * spec.registers[1] <= 504 and spec.registers[1] % 8 == 0
         build_kernel(spec)
-    # a staged bf16 + fp8 call has no room for the exchange buffers: _ops turns the exchange off
-    mixed_staged = KernelSpec(pools=(bf16, fp8), fp8_direct=False, **base)
-    assert smem_bytes(mixed_staged) > _SMEM_LIMIT
-    with pytest.raises(ValueError, match="SMEM"):
-        build_kernel(mixed_staged)
-    with pytest.raises(ValueError, match="mem_regs"):
-        build_kernel(KernelSpec(pools=(fp8,), mem_regs=60, **base))
-    with pytest.raises(ValueError, match="fp8_direct"):
-        build_kernel(KernelSpec(pools=(fp8,), ablate="no_dequant", **base))
-    with pytest.raises(ValueError, match="ablate"):
-        build_kernel(KernelSpec(pools=(bf16,), ablate="bogus", **base))
-    with pytest.raises(ValueError, match="qk_exchange"):
-        build_kernel(KernelSpec(pools=(fp8,), fp8_direct=False, ablate="no_compute", qk_exchange=False, **base))
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="kv_format"):
         _gather.issue_block("fp8_direct")
 
 
 def test_operand_mode_choice():
     """f16 operands for prefill when converting kv costs less than the P_lo wgmma saved, never by
-    default for decode; f16 needs the direct kernel with the score exchange."""
+    default for decode; `kernel_options` chooses the operand type and nothing else."""
+    import jax.numpy as jnp
+
+    import pallas_kernels
     from pallas_kernels import ops as _ops
-    from pallas_kernels._kernel import KernelSpec, PoolSpec
+    from pallas_kernels._spec import KernelSpec, PoolSpec
 
     assert _ops.prefill_rows_f16(65536, 4096, 2048, 128)  # the benchmark's prefill
     assert not _ops.prefill_rows_f16(300, 4, 128, 128) and not _ops.prefill_rows_f16(2**20, 16, 2048, 128)
     base = dict(rows=2, heads=64, num_splits=1, softmax_scale=0.1, has_sink=False, interpret=False)
     fp8 = PoolSpec("fp8_ds_mla", 128)
-    assert KernelSpec(pools=(fp8,), f16=True, **base).f16_operands
-    assert not KernelSpec(pools=(fp8,), **base).f16_operands  # the default: bf16
-    assert not KernelSpec(pools=(fp8,), f16=True, fp8_direct=False, **base).f16_operands
-    assert not KernelSpec(pools=(fp8,), f16=True, qk_exchange=False, **base).f16_operands
+    assert KernelSpec(pools=(fp8,), f16=True, **base).dtype == jnp.float16
+    assert KernelSpec(pools=(fp8,), **base).dtype == jnp.bfloat16  # the default: bf16
+    with pytest.raises(TypeError):
+        with pallas_kernels.kernel_options(fp8_direct=False):
+            pass
     x = _ops.to_f16(np.array([1e6, -1e6, 1.5, np.nan], np.float32))
     assert x.dtype == np.float16
     np.testing.assert_array_equal(np.asarray(x)[:3], [65504, -65504, 1.5])
     assert np.isnan(np.asarray(x)[3])
+
+
+def test_benchmark_script_needs_a_gpu(capsys):
+    from benchmarks import pallas_kernels_bench
+
+    assert pallas_kernels_bench.main([]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
 def test_fp8_scale_factor_operand():

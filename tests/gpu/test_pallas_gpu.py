@@ -46,8 +46,8 @@ def pallas_available():
 
 
 def _readable(kw) -> str | None:
-    fmts = [kw["fmt"]] + ([kw["extra"]["fmt"]] if kw.get("extra") else [])
-    bad = [f for f in fmts if f not in ("bf16", "fp8_ds_mla")]
+    kv_formats = [kw["fmt"]] + ([kw["extra"]["fmt"]] if kw.get("extra") else [])
+    bad = [f for f in kv_formats if f not in pallas_kernels.ops.KV_FORMATS]
     return f"the pallas kernels do not read {bad} (impl='auto' falls back to xla)" if bad else None
 
 

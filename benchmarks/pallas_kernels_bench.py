@@ -1,7 +1,7 @@
 """Times the `impl="pallas"` kernels on a GPU and prints a short table (needs a CUDA GPU).
 
-    PYTHONPATH=. python3 -m pallas_kernels.bench            # all cases and variants (~3 min on an H200)
-    PYTHONPATH=. python3 -m pallas_kernels.bench --quick    # the two target cases, default variant only
+    PYTHONPATH=. python3 -m benchmarks.pallas_kernels_bench            # all cases and variants (~3 min on an H200)
+    PYTHONPATH=. python3 -m benchmarks.pallas_kernels_bench --quick    # the two target cases, default variant only
 
 Per case and kernel variant: device time from CUPTI (`jax.experimental.mosaic.gpu.profiler`,
 median over iterations) of the whole jitted call (index preparation + kernel + split combine) and
@@ -10,17 +10,11 @@ prefill 2*sum(topk)*h*1024), effective HBM GB/s (fewest bytes: each selected tok
 once, q read and out written once), and the two floors (FLOPs at 790 TFLOP/s bf16, bytes at
 4.0 TB/s). Inputs are random (never zeros); the decode caches hold 8192 tokens per request
 (0.6 GB for b=128), larger than the 50 MB L2, and each request draws its own tokens.
-Variants: `default` (what `impl="pallas"` runs), `redundant_qk` (both compute warpgroups
-contract all 512 dims instead of exchanging partial scores), `f16` / `bf16_ops` (f16 Q, K tile and P, one P V
-wgmma / bf16 ones with P = P_hi + P_lo, exact over bf16's range; the defaults: f16 for large prefill,
-bf16 for decode), `bf16_p` (bf16 operands with a single bf16
-P, the FlashMLA choice: misses the output tolerance on the project's test data; timing only),
-`splits=N` (forced split count), `mem_regs=N` (the memory warpgroup's registers), `a+b` (both);
-timing experiments that leave one stage out (wrong results): `no_copy` (no token copies),
-`no_compute` (compute warpgroups only wait and release the buffer),
-`staged_no_dequant` (the staged kernel without its dequantization); `staged` (fp8 records staged in
-SMEM and dequantized by the compute warpgroups, the 8f294f1 kernel, instead of dequantized by the
-memory warpgroup into the K ring). `--variants a,b --cases decode,prefill` picks them.
+Variants, all of them what `impl="pallas"` can run: `default`, `f16` / `bf16_ops` (f16 Q, K tile
+and P, one P V wgmma / bf16 ones with P = P_hi + P_lo, exact over bf16's range; the defaults: f16
+for large prefill, bf16 for decode; `pallas_kernels.kernel_options`), `splits=N` (forced split
+count, `pallas_kernels.num_splits_override`), `a+b` (both). `--variants a,b --cases decode,prefill`
+picks them.
 """
 
 from __future__ import annotations
@@ -57,8 +51,8 @@ def _fp8_cache(key, num_blocks, block_size):
     return jnp.concatenate([recs, sc, pad], axis=1)
 
 
-def _cache(key, fmt, num_blocks, block_size):
-    if fmt == "bf16":
+def _cache(key, kv_format, num_blocks, block_size):
+    if kv_format == "bf16":
         return jax.random.normal(key, (num_blocks, block_size, 512), jnp.float32).astype(jnp.bfloat16)
     return jax.jit(_fp8_cache, static_argnums=(1, 2))(key, num_blocks, block_size)
 
@@ -68,25 +62,24 @@ def _per_request_indices(key, b, s_q, topk, tokens_per_req):
     return base + jax.random.randint(key, (b, s_q, topk), 0, tokens_per_req, jnp.int32)
 
 
-def decode_case(b, s_q, h, topk, fmt="fp8_ds_mla", block_size=64, extra=None, tokens_per_req=8192, seed=0):
+def decode_case(b, s_q, h, topk, kv_format="fp8_ds_mla", block_size=64, extra=None, tokens_per_req=8192, seed=0):
     key = jax.random.PRNGKey(seed)
     ks = jax.random.split(key, 6)
     nb = -(-b * tokens_per_req // block_size)
     args = dict(q=jax.random.normal(ks[0], (b, s_q, h, 512), jnp.float32).astype(jnp.bfloat16),
-                kv_cache=_cache(ks[1], fmt, nb, block_size),
+                kv_cache=_cache(ks[1], kv_format, nb, block_size),
                 indices=_per_request_indices(ks[2], b, s_q, topk, tokens_per_req))
-    kw = dict(kv_format=fmt, block_size=block_size, softmax_scale=512 ** -0.5,
+    kw = dict(kv_format=kv_format, block_size=block_size, softmax_scale=512 ** -0.5,
               attn_sink=jax.random.normal(ks[3], (h,), jnp.float32))
     attended = b * s_q * topk
-    rec = {"bf16": 1024, "fp8_ds_mla": 584}
-    nbytes = attended * rec[fmt]
+    nbytes = attended * kvc.record_bytes(kv_format)
     if extra is not None:
-        etopk, ebs, efmt, etok = extra
+        etopk, ebs, extra_format, etok = extra
         enb = -(-b * etok // ebs)
-        kw.update(extra_kv_cache=_cache(ks[4], efmt, enb, ebs), extra_kv_format=efmt, extra_block_size=ebs,
+        kw.update(extra_kv_cache=_cache(ks[4], extra_format, enb, ebs), extra_kv_format=extra_format, extra_block_size=ebs,
                   extra_indices=_per_request_indices(ks[5], b, s_q, etopk, etok))
         attended += b * s_q * etopk
-        nbytes += b * s_q * etopk * rec[efmt]
+        nbytes += b * s_q * etopk * kvc.record_bytes(extra_format)
     flops = 2 * h * attended * 1024
     nbytes += 2 * b * s_q * h * 512 * 2  # q in, out
     return args, kw, flops, nbytes
@@ -127,22 +120,10 @@ def run(name, kind, case, variant, iters):
     args, kw, flops, nbytes = case
     opts, splits = {}, None
     for part in variant.split("+"):  # "a+b": both changes
-        if part == "redundant_qk":
-            opts["qk_exchange"] = False
-        elif part == "bf16_p":
-            opts.update(f16=False, p_split=False)
-        elif part == "f16":
+        if part == "f16":
             opts["f16"] = True
         elif part == "bf16_ops":
             opts["f16"] = False
-        elif part in ("no_copy", "no_compute"):
-            opts["ablate"] = part
-        elif part == "staged":
-            opts["fp8_direct"] = False
-        elif part == "staged_no_dequant":
-            opts.update(fp8_direct=False, ablate="no_dequant")
-        elif part.startswith("mem_regs="):
-            opts["mem_regs"] = int(part.split("=")[1])
         elif part.startswith("splits="):
             splits = int(part.split("=")[1])
         elif part != "default":
@@ -181,8 +162,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", default=None,
-                    help="comma-separated variants for the two target cases (timing experiments: no_copy, "
-                         "no_compute, staged, staged_no_dequant, f16, bf16_ops, bf16_p, redundant_qk, splits=N, mem_regs=N, a+b); implies --quick's case list")
+                    help="comma-separated variants for the two target cases (default, f16, bf16_ops, splits=N, "
+                         "a+b); implies --quick's case list")
     ap.add_argument("--cases", default="decode,prefill",
                     help="with --variants: decode, prefill and/or v4 (decode h128 SWA 128 + extra 1024)")
     a = ap.parse_args(argv)
@@ -196,7 +177,7 @@ def main(argv=None):
     print(f"check b128/s_q2/h128/topk2048 fp8 vs xla: max rel err {check_decode(dec):.2e}", flush=True)
     pre = prefill_case(4096, 128, 2048, 65536)
     plan = [("decode b128 sq2 h128 topk2048 fp8", "decode", dec, ["default"] if a.quick else
-             ["default", "f16", "bf16_p", "splits=2"]),
+             ["default", "f16", "splits=2"]),
             ("prefill sq4096 h128 topk2048 bf16", "prefill", pre, ["default"] if a.quick else ["default", "bf16_ops"])]
 
     def v4():  # built only when planned (its caches take a while)

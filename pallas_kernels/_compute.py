@@ -1,0 +1,184 @@
+"""The compute warpgroups (wg 0 and wg 1): scores, online softmax, P V and the epilogue.
+
+Warpgroup w owns latent dims [256 w, 256 w + 256) of Q, K = V (the latent) and O. Per block:
+S_w = Q_w K_w^T (wgmma), the two f32 partials exchanged through SMEM so that both hold
+S = S_0 + S_1 bitwise identically, the same online softmax in both (exp2 domain, masked columns
+-inf, the running max starts at -inf with a guard so (-inf) - (-inf) never occurs), then
+O_w += P V_w (wgmma, P from registers) and the K buffer released. With bf16 operands P = P_hi +
+P_lo in two bf16 terms: a single bf16 P misses the output tolerance on rows mixing large and small
+values; with f16 operands one f16 P.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._conversions import q_to_f16
+from pallas_kernels._spec import COL, HALF, HB, LN2, LOG2E, NBUF, ROW, T
+
+if TYPE_CHECKING:
+    from pallas_kernels._kernel import Program
+
+__all__ = ["compute_warpgroup", "exchange_scores", "softmax_step", "epilogue"]
+
+
+def exchange_scores(prog: Program, w: int, s_own, n):
+    """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's. Both sum S_0 + S_1
+    in that order, so both hold bitwise-identical scores.
+
+    Two buffers (`spec.xbufs`): both post their partial at once (x_post), read the other's and
+    release the buffers (x_read), which the next block waits for before posting. One buffer (fp8
+    kernels, whose SMEM leaves room for one): wg 0 posts (x_post), wg 1 takes it and posts its own
+    (x_read), wg 0 takes that."""
+    s = prog.s
+    if prog.spec.xbufs == 1:
+        if w == 0:
+            s.x.at[0][...] = s_own
+            plgpu.barrier_arrive(s.x_post)
+            plgpu.barrier_wait(s.x_read)
+            return s_own + plgpu.load(s.x.at[0], layout=plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(s.x_post)
+        s_peer = plgpu.load(s.x.at[0], layout=plgpu.Layout.WGMMA)
+        s.x.at[0][...] = s_own
+        plgpu.barrier_arrive(s.x_read)
+        return s_peer + s_own
+
+    @pl.when(n > 0)
+    def _():
+        plgpu.barrier_wait(s.x_read)
+
+    s.x.at[w][...] = s_own
+    plgpu.barrier_arrive(s.x_post)
+    plgpu.barrier_wait(s.x_post)
+    s_peer = plgpu.load(s.x.at[1 - w], layout=plgpu.Layout.WGMMA)
+    plgpu.barrier_arrive(s.x_read)
+    return s_own + s_peer if w == 0 else s_peer + s_own
+
+
+def softmax_step(prog: Program, s, idx_col, m, l, o):
+    """Online softmax over one block's scores: (P_hi, P_lo or None, O rescaled, m, l)."""
+    c2 = prog.spec.softmax_scale * LOG2E
+    vcol = lax.broadcast_in_dim(idx_col >= 0, (HB, T), [1])
+    t = jnp.where(vcol, s * c2, -jnp.inf)
+    m_new = jnp.maximum(m, t.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_use)
+    pexp = jnp.exp2(t - lax.broadcast_in_dim(m_use, (HB, T), [0]))
+    l = l * alpha + pexp.sum(axis=1)
+    o = o * lax.broadcast_in_dim(alpha, (HB, HALF), [0])
+    if prog.spec.f16:  # one f16 P (11 bits; pexp <= 1)
+        return pexp.astype(jnp.float16), None, o, m_new, l
+    # P = P_hi + P_lo (two bf16 terms, ~2^-16 relative)
+    p_hi = pexp.astype(jnp.bfloat16)
+    p_lo = (pexp - p_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return p_hi, p_lo, o, m_new, l
+
+
+def _stage_p(prog: Program, w: int, p_hi, p_lo):
+    """Interpreter: wgmma A operands come from SMEM only, so P is staged there."""
+    a = prog.s.p
+    a.at[w, 0][...] = p_hi
+    if p_lo is not None:
+        a.at[w, 1][...] = p_lo
+    plgpu.commit_smem()
+    return a.at[w, 0], (a.at[w, 1] if p_lo is not None else None)
+
+
+def _pv(prog: Program, w: int, kb, p_hi, p_lo, o):
+    """O_w + P V_w. The GPU accumulates onto O in the wgmma accumulator; the interpreter cannot
+    store into an accumulator, so it adds P V to O afterwards."""
+    if prog.spec.interpret:
+        p_hi, p_lo = _stage_p(prog, w, p_hi, p_lo)
+
+        def pv(acc):
+            plgpu.wgmma(acc, p_hi, kb.at[w])
+            if p_lo is not None:
+                plgpu.wgmma(acc, p_lo, kb.at[w])
+            return acc[...]
+
+        return o + pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+
+    def pv(acc):
+        acc[...] = o
+        plgpu.wgmma(acc, p_hi, kb.at[w])
+        if p_lo is not None:
+            plgpu.wgmma(acc, p_lo, kb.at[w])
+        return acc[...]
+
+    return pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
+
+
+def _block(prog: Program, w: int, carry):
+    """One 64-token block: wait for its buffer, S, softmax, P V, release the buffer."""
+    s = prog.s
+    n, o, m, l = carry
+    b = n % NBUF
+    plgpu.barrier_wait(s.full.at[b])
+    kb = s.k.at[b]
+    idx_col = plgpu.load(s.idx.at[b], layout=COL)
+
+    def qk(acc):  # this warpgroup's 256 dims
+        plgpu.wgmma(acc, s.q.at[w], kb.at[w].transpose((1, 0)))
+        return acc[...]
+
+    scores = exchange_scores(prog, w, pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32)), n)
+    p_hi, p_lo, o, m_new, l = softmax_step(prog, scores, idx_col, m, l, o)
+    o = _pv(prog, w, kb, p_hi, p_lo, o)
+    plgpu.barrier_arrive(s.free.at[b])  # P V has read the K tile
+    return n + 1, o, m_new, l
+
+
+def epilogue(prog: Program, w: int, o, m, l, sink):
+    """O / l (with the sink in the denominator when final), lse and max_logits, stored from registers."""
+    spec, row, split, h0 = prog.spec, prog.row, prog.split, prog.h0
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    lse = jnp.where(empty, jnp.inf if spec.final else -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    mx = jnp.where(empty, -jnp.inf, m * LN2)
+    inv = 1.0 / l_safe
+    if spec.final and spec.has_sink:
+        # out = (O / l) / (1 + exp(sink - lse)); sink = +inf -> 0, -inf -> 1.
+        inv = inv / (1.0 + jnp.exp(sink - jnp.where(empty, 0.0, lse)))
+    inv = jnp.where(empty, 0.0, inv)
+    res = o * lax.broadcast_in_dim(inv, (HB, HALF), [0])
+    if spec.final:
+        prog.out.at[row, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res.astype(jnp.bfloat16)
+        if w == 0:
+            prog.lse.at[row, pl.ds(h0, HB)][...] = lse
+            prog.mx.at[row, pl.ds(h0, HB)][...] = mx
+    else:
+        prog.out.at[row, split, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res
+        if w == 0:
+            prog.lse.at[row, split, pl.ds(h0, HB)][...] = lse
+            prog.mx.at[row, split, pl.ds(h0, HB)][...] = mx
+
+
+def compute_warpgroup(prog: Program, w: int):
+    """Compute warpgroup w's whole program."""
+    spec, s = prog.spec, prog.s
+    plgpu.set_max_registers(spec.registers[1], action="increase")
+    plgpu.barrier_wait(s.q_bar)
+    if spec.f16:  # Q arrived as bf16 bits: rewrite the half this warpgroup contracts
+        q_to_f16(s.q, w, spec.interpret)
+        plgpu.commit_smem()
+    sink = plgpu.load(s.sink, layout=ROW) if spec.has_sink else None
+
+    o = plgpu.layout_cast(jnp.zeros((HB, HALF), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((HB,), -jnp.inf, jnp.float32), ROW)
+    l = plgpu.layout_cast(jnp.zeros((HB,), jnp.float32), ROW)
+    n = jnp.int32(0)
+    for p in range(len(spec.pools)):
+        n, o, m, l = lax.fori_loop(prog.ranges[p][0], prog.ranges[p][1],
+                                   lambda j, carry: _block(prog, w, carry), (n, o, m, l))
+
+    if spec.xbufs == 2:
+        @pl.when(n > 0)
+        def _():
+            plgpu.barrier_wait(s.x_read)  # the last block's release
+
+    epilogue(prog, w, o, m, l, sink)

@@ -1,0 +1,163 @@
+"""The memory warpgroup (wg 2): Q in, then every 64-token block of the row's pools into the K ring.
+
+It runs with few registers (40; 56 when it converts fp8 records) and no matmul. Per block it
+waits for the buffer's release, gathers the block's tokens straight into the swizzled K tile (bf16
+rows copied; fp8 records copied into their token's row and converted in place, `_gather.py`)
+plus the block's 64 sources, and publishes the buffer (`full`). Masked tokens are never read:
+their copies zero-fill. Kernels of bf16 pools only publish block n - 1 before waiting for the
+release of block n's buffer (its copies land meanwhile); fp8 kernels publish each block once
+converted. In interpret mode the gather is a loop of Pallas-level copies (`fill_interpret`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _gather
+from pallas_kernels._conversions import dequant_fp8, rope_combiner
+from pallas_kernels._spec import FP8_RECORD, HALF, HB, NBUF, ROW, T
+
+if TYPE_CHECKING:
+    from pallas_kernels._kernel import Program
+
+__all__ = ["memory_warpgroup", "fill_interpret"]
+
+
+def _buf(n):
+    """The ring buffer of the n-th block."""
+    return n % NBUF
+
+
+def load_q(prog: Program):
+    """Q's two halves (and the sink) into SMEM, arriving on `q_bar`."""
+    s, row, h0 = prog.s, prog.row, prog.h0
+    plgpu.copy_gmem_to_smem(prog.q.at[row, pl.ds(h0, HB), pl.ds(0, HALF)], s.q.at[0], s.q_bar)
+    plgpu.copy_gmem_to_smem(prog.q.at[row, pl.ds(h0, HB), pl.ds(HALF, HALF)], s.q.at[1], s.q_bar)
+    if prog.spec.has_sink:
+        plgpu.copy_gmem_to_smem(prog.sink.at[pl.ds(h0, HB)], s.sink, s.q_bar)
+
+
+def publish(prog: Program, b):
+    """Release buffer b to the compute warpgroups: this thread's copies have landed
+    (cp.async.wait_group / the interpreter's barrier); fence them for the wgmma (async proxy)."""
+    if not prog.spec.interpret:
+        _gather.wait_groups(0)()
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(prog.s.full.at[b])
+
+
+def fill_interpret(prog: Program, j, b, cache, src, scales, fp8: bool):
+    """Interpreter: Pallas-level copies of block j into buffer b (the interpreter cannot run `_gather`).
+
+    bf16 rows go to the K tile, a masked row stored as 0 (it feeds the wgmmas unselected); fp8
+    records are staged whole and dequantized into both K halves. `ibar` counts two arrivals per
+    token and one for the scales."""
+    s, row, dtype = prog.s, prog.row, prog.spec.dtype
+    plgpu.copy_gmem_to_smem(src.at[row, pl.ds(j * T, T)], s.idx.at[b], s.ibar_idx)
+    plgpu.barrier_wait(s.ibar_idx)
+    if fp8:
+        plgpu.copy_gmem_to_smem(scales.at[row, j], s.scales, s.ibar)
+    else:
+        plgpu.barrier_arrive(s.ibar)
+
+    @pl.loop(0, T)
+    def _tok(i):
+        off = s.idx[b, i]
+
+        @pl.when(off >= 0)
+        def _copy():
+            if fp8:
+                plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, FP8_RECORD)], s.stage.at[i, pl.ds(0, FP8_RECORD)], s.ibar)
+                plgpu.barrier_arrive(s.ibar)
+            else:
+                for h in range(2):
+                    plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, 1), pl.ds(h * HALF, HALF)],
+                                            s.k.at[b, h, pl.ds(i, 1)], s.ibar)
+
+        @pl.when(off < 0)
+        def _skip():
+            if fp8:
+                plgpu.barrier_arrive(s.ibar)
+                plgpu.barrier_arrive(s.ibar)
+            else:
+                for h in range(2):
+                    s.k.at[b, h, pl.ds(i, 1)][...] = jnp.zeros((1, HALF), dtype)
+                    plgpu.barrier_arrive(s.ibar)
+
+    plgpu.barrier_wait(s.ibar)
+    if fp8:
+        idx_row = plgpu.load(s.idx.at[b], layout=ROW)
+        vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0])
+        for h in range(2):
+            dequant_fp8(h, s.stage, s.scales, s.combiner, s.k.at[b], vrow, s.rope)
+
+
+def _gather_block(prog: Program, j, b, pool, pspec):
+    """GPU: block j of a pool into buffer b, issued by all 128 threads (`_gather.issue_block`)."""
+    cache, src, scales = pool
+    s, row = prog.s, prog.row
+    if pspec.fp8:
+        # the next block's sources (this one's at the pool's end): L2 prefetch only
+        jn = jnp.minimum(j + 1, pspec.kpad // T - 1)
+        extra = (scales.at[row, pl.ds(j * T, T)], s.scales, src.at[row, pl.ds(jn * T, T)],
+                 scales.at[row, pl.ds(jn * T, T)])
+    else:
+        extra = ()
+    _gather.issue_block(pspec.kv_format, f16=prog.spec.f16)(
+        cache, src.at[row, pl.ds(j * T, T)], s.k.at[b], s.idx.at[b], *extra)
+
+
+def memory_warpgroup(prog: Program):
+    """The memory warpgroup's whole program."""
+    spec, s = prog.spec, prog.s
+    plgpu.set_max_registers(spec.registers[0], action="decrease")
+    if spec.has_fp8 and spec.interpret:
+        s.combiner[...] = rope_combiner()
+        plgpu.commit_smem()
+    load_q(prog)
+
+    deferred = not spec.has_fp8  # bf16 blocks are published one iteration later
+    n = jnp.int32(0)
+    for p, pspec in enumerate(spec.pools):
+
+        def blk(j, n, pool=prog.pools[p], pspec=pspec):
+            b = _buf(n)
+            if deferred:
+                # Publish the previous block (issued one iteration ago) before waiting for this
+                # buffer's release, so the compute warpgroups never wait on this issue.
+                @pl.when(n >= 1)
+                def _():
+                    publish(prog, _buf(n + 1))
+
+            @pl.when(n >= NBUF)
+            def _():
+                plgpu.barrier_wait(s.free.at[b])
+                # The compute warpgroups read the buffers with generic loads and wgmmas; order
+                # those reads before the copies that refill them.
+                plgpu.commit_smem()
+
+            if spec.interpret:
+                fill_interpret(prog, j, b, *pool, pspec.fp8)
+            else:
+                _gather_block(prog, j, b, pool, pspec)
+            if not deferred:
+                publish(prog, b)
+            return n + 1
+
+        n = lax.fori_loop(prog.ranges[p][0], prog.ranges[p][1], blk, n)
+
+    if deferred:
+        @pl.when(n >= 1)
+        def _():
+            publish(prog, _buf(n + 1))
+
+    # Observe the last phases too (every phase of a barrier must be awaited by its waiters).
+    for k in range(NBUF):
+        @pl.when(n - NBUF + k >= 0)
+        def _():
+            plgpu.barrier_wait(s.free.at[_buf(n - NBUF + k)])

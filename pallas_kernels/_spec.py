@@ -1,0 +1,140 @@
+"""What a kernel is built from: its static description (`KernelSpec`), tile sizes, SMEM budget.
+
+One program (CTA) handles one (row, split, 64-head group): 64 heads are the wgmma M, 64 tokens
+per block the N of Q K^T and the K of P V. Each compute warpgroup owns one half (256 dims) of the
+512-dim latent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from dsv41_jax import kv_cache as kvc
+
+__all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "fp8_scale_offsets", "T", "HB", "D", "HALF", "NOPE",
+           "FP8_RECORD", "FP8_PITCH", "LOG2E", "LN2", "REG_BUDGET", "SMEM_LIMIT", "NBUF", "TILE", "SWIZZLE",
+           "ROW", "COL"]
+
+T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
+HB = 64  # heads per program (the wgmma M)
+D = kvc.LATENT_DIM
+HALF = D // 2  # latent dims per compute warpgroup
+NOPE = kvc.NOPE_DIM
+FP8_RECORD = kvc.layout("fp8_ds_mla").data_bytes  # an fp8_ds_mla record's bytes, scales apart
+FP8_PITCH = 656  # interpreter staging row pitch: 164 words, rows 4 banks apart
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+REG_BUDGET = 504  # registers per (memory, compute, compute) thread triple: 65536 // 384 rounded to 8, x 3
+SMEM_LIMIT = 232448  # bytes of dynamic SMEM a Hopper CTA may use
+NBUF = 2  # K tiles in the gather ring: block n + 1 lands while block n is consumed
+
+TILE = plgpu.TilingTransform((8, 64))
+SWIZZLE = plgpu.SwizzleTransform(128)
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, n] wgmma-layout tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """A token pool: `kv_format` "fp8_ds_mla" (uint8 byte view of the cache) or "bf16" (rows [n, 512]);
+    `kpad` the per-row index count, a multiple of T."""
+
+    kv_format: str
+    kpad: int
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_format == "fp8_ds_mla"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Everything static about one kernel: shapes, pools, split count and operand type."""
+
+    rows: int
+    heads: int  # padded, a multiple of HB
+    pools: tuple[PoolSpec, ...]
+    num_splits: int
+    softmax_scale: float
+    has_sink: bool
+    interpret: bool  # trace the interpreter-compatible formulation
+    # Q, the K tile and P in float16, so P V is one wgmma with an 11-bit P (bf16 needs P = P_hi + P_lo,
+    # two wgmmas, to meet the output tolerance); values beyond +-65504 saturate. `ops` asks for it in
+    # large prefills.
+    f16: bool = False
+
+    @property
+    def head_groups(self) -> int:
+        return self.heads // HB
+
+    @property
+    def final(self) -> bool:
+        """One split: the kernel writes the final output, not f32 partials."""
+        return self.num_splits == 1
+
+    @property
+    def has_fp8(self) -> bool:
+        return any(p.fp8 for p in self.pools)
+
+    @property
+    def has_bf16(self) -> bool:
+        return any(not p.fp8 for p in self.pools)
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        """(memory, compute) registers per thread for `setmaxnreg`.
+
+        A CTA of 384 threads is launched with 168 registers per thread, 504 per (memory + 2 compute)
+        thread triple; `setmaxnreg.inc` blocks until registers are free, so the three warpgroups must
+        not ask for more than 504 in all (asking for more hangs the GPU). Multiples of 8. The memory
+        warpgroup needs 56 when it converts fp8 records, else 40."""
+        mem = 56 if self.has_fp8 else 40
+        return mem, (REG_BUDGET - mem) // 16 * 8
+
+    @property
+    def dtype(self):
+        """Element type of the Q and K tiles (and of bf16 row pool operands)."""
+        return jnp.float16 if self.f16 else jnp.bfloat16
+
+    @property
+    def scale_offsets(self) -> bool:
+        """fp8 scale operands are byte offsets of the UE8M0 bytes (GPU), not f32 factor rows."""
+        return self.has_fp8 and fp8_scale_offsets(self.interpret)
+
+    @property
+    def xbufs(self) -> int:
+        """Score-exchange buffers: two where SMEM allows (both warpgroups post at once), else one
+        (fp8 kernels: Q + 2 K tiles + 2 buffers + scale bytes + indices + sink exceed 227 KiB by
+        the 1 KiB alignment of each buffer)."""
+        return 2 if smem_bytes(self, xbufs=2) <= SMEM_LIMIT else 1
+
+
+def fp8_scale_offsets(interpret: bool) -> bool:
+    """Whether fp8 pools take scale byte offsets (the GPU kernel reads the UE8M0 bytes itself) or
+    f32 factor rows (the interpreter's Pallas-level dequantization). `ops` asks before it builds
+    the operands, `KernelSpec.scale_offsets` after."""
+    return not interpret
+
+
+def smem_bytes(spec: KernelSpec, xbufs: int | None = None) -> int:
+    """Dynamic SMEM the GPU kernel asks for, with 1 KiB alignment per buffer (what Mosaic GPU pads to).
+
+    The same figure for interpreter specs (whose extra buffers -- P and record staging, the RoPE
+    combiner -- are not counted), so that CPU tests make the same choices (`xbufs`) as the GPU. The
+    scale buffer is counted as f32 [8, 64] rows (2 KiB; the GPU's byte rows take 0.5 KiB).
+    `xbufs`: count that many exchange buffers instead of `spec.xbufs`. Barriers: 1 KiB (they take
+    < 100 B; the kernel asks for no reduction scratch)."""
+    def al(n):
+        return -(-n // 1024) * 1024
+
+    total = al(HB * D * 2) + NBUF * al(T * D * 2) + al(NBUF * T * 4) + 1024  # Q, K, indices, barriers
+    if spec.has_fp8:  # scale factors
+        total += al(8 * T * 4)
+    if spec.has_sink:
+        total += al(HB * 4)
+    total += (xbufs or spec.xbufs) * al(HB * T * 4)
+    return total
