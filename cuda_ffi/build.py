@@ -170,8 +170,8 @@ def _build_info(*, archs: str, nvcc: str, force_mma_sync: bool, defines: tuple[s
         "archs": archs.split(";"),
         "nvcc": release,
         "commit": commit,
-        "sources_modified": (bool(dirty) or src_dir.resolve() != CSRC) if commit else None,
-        "source_key": source_key(archs),
+        "sources_modified": (bool(dirty) or src_dir != CSRC) if commit else None,
+        "source_key": source_key(archs, src_dir),
         "jax": jax.__version__,
         "force_mma_sync": force_mma_sync,
         "defines": list(defines),
@@ -187,6 +187,7 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
     `defines`: extra preprocessor definitions (NAME or NAME=VALUE). `src_dir`: the sources (csrc/, or
     a patched copy from `copy_sources`). `quiet`: no "built ..." line on stdout (the first-use build
     logs instead)."""
+    src_dir = Path(src_dir).resolve()
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError(f"nvcc not found (looked at {NVCC_LOOKED_AT})")
@@ -229,13 +230,13 @@ def cache_root() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def source_key(archs: str = DEFAULT_ARCHS) -> str:
-    """16 hex digits of the library's sources, the archs and the jax version (whose FFI headers it
-    compiles against)."""
+def source_key(archs: str = DEFAULT_ARCHS, src_dir: Path = CSRC) -> str:
+    """16 hex digits of the library's sources (csrc/, or a patched copy), the archs and the jax version
+    (whose FFI headers it compiles against)."""
     import jax
 
     h = hashlib.sha256(f"{archs}\0{jax.__version__}\0".encode())
-    for path in sorted({p for g in SOURCE_GLOBS for p in CSRC.glob(g)}):
+    for path in sorted({p for g in SOURCE_GLOBS for p in Path(src_dir).glob(g)}):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 

@@ -31,6 +31,10 @@ from dsv41_jax.kv_cache import f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import default_num_sms, num_sm_parts_for
 
+__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES", "MAX_PLANS",
+           "decode_supports", "prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "decode",
+           "prefill_kv_f16", "prepare_prefill", "prefill"]
+
 DECODE_TARGET = "dsv41_sparse_mla_decode"
 PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"

@@ -23,8 +23,10 @@ import numpy as np
 from cuda_ffi import ops as _ops
 from dsv41_jax.plans import DecodePlan
 from dsv41_jax.scheduler import num_sm_parts_for
-
 from tests.cuda_emulator.build import CONSUMERS, LIB_DIR, emulator_name
+
+__all__ = ["EMU_LIB", "EMU_LIBS", "load", "run_decode_ffi", "run_prefill_ffi", "plan_batch_emulated", "plan_emulated",
+           "emulated_plan", "decode_emulated", "prefill_emulated"]
 
 EMU_LIBS = {c: LIB_DIR / emulator_name(c) for c in CONSUMERS}
 EMU_LIB = EMU_LIBS["wgmma"]
