@@ -30,40 +30,20 @@
 #                 converts; seesaw.cuh), $ROWS_CASES (default prefill_h128_topk2048); not recorded
 #   sanitizer     compute-sanitizer memcheck over one cuda decode and one prefill
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
-#   cuda-ablation the quick cuda benchmark for builds that leave one stage out (kernels.cuh's
-#                 DSV41_EXP_* switches: no cache reads, no tensor-core work, neither, decode
-#                 without head-group pairs, symmetric consumers (both warpgroups S for half the
-#                 tokens, O for half the dims) instead of FlashMLA's split (warpgroup 0 S + softmax +
-#                 O[:, :256], warpgroup 1 O[:, 256:]) for a pair's decode (decode_sym) / for prefill
-#                 (no_wg_split), no L2 prefetch of
-#                 the next tile (no_prefetch), prefill's head groups 2k, 2k + 1 as decode's 2-CTA pairs
-#                 (prefill_pair), prefill on bf16 operands (prefill_bf16: no conversions, P in bf16), a pair's
-#                 rows sent to the peer by lane st.async stores instead of cp.async.bulk (pair_st_async),
-#                 symmetric pair consumers computing S split over the tokens (decode_sym no_qk_ksplit: S by
-#                 m64n32 per warpgroup, each reading all of Q), one 8 KB peer copy per producer warp
-#                 (one_copy, timing only), a pair's peer copies after all its rows instead of one per column block
-#                 as soon as it is stored (copy_after), each block's fence and copy right after its stores instead of
-#                 after the next block's conversion (no_copy_lag), a pair sending only half of each row to its peer (peer4, timing only), the split
-#                 consumers' P stored by stmatrix (stsm_p) and their scale folded into the exponent (fused_scale), the
-#                 decode's old serial segment boundary (serial_epi), a pair's
-#                 producers computing their gather addresses themselves
-#                 instead of warpgroup 1 (no_wg1_addr), a pair's warpgroup 0 keeping its PV in flight across the
-#                 wait for the next tile (wg0_pv_late, 208 / 192 registers for the consumer warpgroups)) and for
-#                 the mma.sync consumers on sm_90a; not recorded (experiments); $ABLATION
-#                 picks variants (default: "default no_gather no_mma neither mma_sync"), $ABL_CASES
-#                 the cases (default: decode,prefill), $ABL_EXTRA more variants,
-#                 "name:--define A --define B;name2:..." (name them in $ABLATION too)
+#   cuda-ablation the quick cuda benchmark for the ablation builds of benchmarks/cuda_ablations.py (patched
+#                 copies of cuda_ffi/csrc/: no_gather no cache reads, no_mma no tensor-core work, neither,
+#                 no_pair decode without head-group pairs, mma_sync the mma.sync consumers on sm_90a);
+#                 not recorded (experiments); $ABLATION picks variants (default: "default no_gather no_mma
+#                 neither mma_sync"), $ABL_CASES the cases (default: decode,prefill)
 #   ncu           Nsight Compute (--clock-control none) over one call of the attention kernel per case
-#                 ($NCU_CASES, default decode_headline_h128; prefill_h128_topk2048 crashed Python with
-#                 signal 11 under ncu on 2026-11-30): a report per case, its details page and its
+#                 ($NCU_CASES, default decode_headline_h128; prefill_h128_topk2048 can crash Python with
+#                 signal 11 under ncu): a report per case, its details page and its
 #                 per-instruction source page (SASS + CUDA lines). Five files per case: the device
 #                 tool returns at most 8 from $OUT, so point OUT elsewhere and pack what you need.
-#   trace         python -m benchmarks.decode_trace: per-tile timeline of the decode's roles from %clock stamps
-#                 (trace builds, $TRACE_VARIANTS default "consumers,full"); not recorded (experiments)
 #   ncu-export    per-instruction (SASS) and raw CSVs of stored reports $NCU_REPORTS (space-separated paths; pass
 #                 git-ignored ones such as prof/*.ncu-rep through the device tool's `carry`): there is no ncu on
 #                 the CPU machines; read the CSVs there with benchmarks.ncu_summary
-# DSV41_COMMIT: give the commit as a literal; on the device machine `git rev-parse` answers the session's base commit.
+# DSV41_COMMIT: give the commit as a literal; on the device machine `git rev-parse` may answer another commit than the tree's.
 # Logs, JSON, the roofline PNG and benchmark rows for benchmarks/RESULTS.md go to $OUT (default gpu_out/).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -132,31 +112,16 @@ for s in "${stages[@]}"; do
     compare) run timeout 560 $PY -m benchmarks.flashmla_compare --cases "${FM_CASES:-decode,prefill}" ${BENCH_IMPLS:+--impls $BENCH_IMPLS} \
         --out "$OUT/cmp" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/compare.log" ;;
     bench-full) run timeout 560 $PY -m benchmarks.sparse_mla --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
-    sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m cuda_ffi.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
+    sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m tests.cuda_emulator.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
     sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;
     cuda-ablation)
-      IFS=';' read -r -a extra <<< "${ABL_EXTRA:-}"
-      for v in "default:" "no_gather:--define DSV41_EXP_NO_GATHER" "no_mma:--define DSV41_EXP_NO_MMA" \
-               "neither:--define DSV41_EXP_NO_GATHER --define DSV41_EXP_NO_MMA" "mma_sync:--force-mma-sync" \
-               "no_pair:--define DSV41_EXP_NO_PAIR" \
-               "decode_sym:--define DSV41_EXP_DECODE_SYM" "no_wg_split:--define DSV41_EXP_NO_WG_SPLIT" \
-               "no_prefetch:--define DSV41_EXP_NO_PREFETCH" \
-               "prefill_pair:--define DSV41_EXP_PREFILL_PAIR" "prefill_bf16:--define DSV41_EXP_PREFILL_BF16" \
-               "pair_st_async:--define DSV41_EXP_PAIR_ST_ASYNC" \
-               "no_qk_ksplit:--define DSV41_EXP_NO_QK_KSPLIT" "one_copy:--define DSV41_EXP_ONE_COPY --define DSV41_EXP_COPY_BLOCKS=8" \
-               "copy_after:--define DSV41_EXP_COPY_BLOCKS=8" "no_copy_lag:--define DSV41_EXP_NO_COPY_LAG" \
-               "peer4:--define DSV41_EXP_PEER_BLOCKS=4" "stsm_p:--define DSV41_EXP_STSM_P" \
-               "fused_scale:--define DSV41_EXP_FUSED_SCALE" "serial_epi:--define DSV41_EXP_SERIAL_EPI" \
-               "no_wg1_addr:--define DSV41_EXP_NO_WG1_ADDR" "wg0_pv_late:--define DSV41_EXP_WG0_PV_LATE" \
-               ${extra[@]+"${extra[@]}"}; do
-        name="${v%%:*}"; flags="${v#*:}"
-        case " ${ABLATION:-default no_gather no_mma neither mma_sync} " in *" $name "*) ;; *) continue ;; esac
-        echo "--- variant $name ($flags)"
-        $PY -m cuda_ffi.build --archs 90a --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" $flags > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
+      for name in ${ABLATION:-default no_gather no_mma neither mma_sync}; do
+        echo "--- variant $name"
+        $PY -m benchmarks.cuda_ablations "$name" --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" \
+          > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
         DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
           --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
       done ;;
-    trace) run timeout 580 $PY -m benchmarks.decode_trace --variants "${TRACE_VARIANTS:-consumers,full}" --out "$OUT" ;;
     ncu) ncu_cases cuda "dsv41_(decode|prefill|prefill_f16)_kernel" ncu sass,cuda source "" --import-source yes ;;
     ncu-export)
       for r in ${NCU_REPORTS:-}; do

@@ -19,9 +19,9 @@ on first use. `impl="auto"` picks "cuda" only when `backend_unavailable_reason()
 `jax.default_backend() == "gpu"`, the first device has compute capability 9.x or 10.x and the
 library holds its architecture (build_info.json's archs, when the build wrote one).
 
-Kernel design, numerics, padding and limits: `cuda_ffi/kernels.cuh`, `cuda_ffi/ops.py` and
-`benchmarks/cuda_notes.md`. Cache formats read: "bf16" and "fp8_ds_mla" (`supports` turns the
-others away, so `impl="auto"` falls back to another implementation for them).
+Kernel design, numerics, padding and limits: `cuda_ffi/csrc/kernels.cuh` (the sources, one header
+per role), `cuda_ffi/ops.py` and `docs/cuda_kernels.md`. Cache formats read: "bf16" and "fp8_ds_mla"
+(`supports` turns the others away, so `impl="auto"` falls back to another implementation for them).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def library_path() -> Path:
     """`$DSV41_CUDA_LIB` if set; else cuda_ffi/lib/libdsv41_cuda.so when `python -m cuda_ffi.build` made
     it; else the first-use build's library in the cache (`cuda_ffi.build.cached_library_path()`), built
     or not."""
-    env = os.environ.get("DSV41_CUDA_LIB")
+    env = os.environ.get(build.LIB_ENV)
     if env:
         return Path(env)
     if _DEFAULT_LIB.is_file():
@@ -107,7 +107,7 @@ def load_library() -> ctypes.CDLL:
             return _lib
         path = library_path()
         if not path.is_file():
-            _load_error = f"cuda_ffi: {path} not found; build it with `python -m cuda_ffi.build` or set DSV41_CUDA_LIB"
+            _load_error = f"cuda_ffi: {path} not found; build it with `python -m cuda_ffi.build` or set {build.LIB_ENV}"
             raise RuntimeError(_load_error)
         try:
             lib = ctypes.CDLL(str(path))
@@ -146,9 +146,9 @@ def _autobuild_off() -> bool:
 
 def _missing_reason() -> str:
     """Why there is no library, and what to do."""
-    env = os.environ.get("DSV41_CUDA_LIB")
+    env = os.environ.get(build.LIB_ENV)
     if env:
-        return f"cuda_ffi: DSV41_CUDA_LIB={env} does not exist"
+        return f"cuda_ffi: {build.LIB_ENV}={env} does not exist"
     where = f"{_DEFAULT_LIB} and {build.cached_library_path()} do not exist"
     if build.missing_tools():
         return f"cuda_ffi: the CUDA library is not built ({where}) and cannot be built here: {build.build_hint()}"
@@ -193,7 +193,7 @@ def _arch_reason() -> str | None:
 def _build_on_first_use() -> str | None:
     """Build the library into the cache now; None on success, else why not."""
     global _build_error
-    if os.environ.get("DSV41_CUDA_LIB") or _autobuild_off() or build.missing_tools():
+    if os.environ.get(build.LIB_ENV) or _autobuild_off() or build.missing_tools():
         why = _missing_reason()
         if why not in _WARNED:
             _WARNED.add(why)

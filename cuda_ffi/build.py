@@ -1,8 +1,6 @@
-"""Build the dsv41 CUDA FFI library (and, for CPU tests, the host emulator of its kernels).
+"""Build the dsv41 CUDA FFI library from the sources in cuda_ffi/csrc/.
 
     python -m cuda_ffi.build            # cuda_ffi/lib/libdsv41_cuda.so (sm_90a + sm_100a)
-    python -m cuda_ffi.build --emu      # also cuda_ffi/lib/libdsv41_emu.so (g++, no CUDA needed)
-    python -m cuda_ffi.build --emu-only # only the emulator
     python -m cuda_ffi.build --archs 90a
     python -m cuda_ffi.build --force-mma-sync    # sm_90a with the mma.sync consumers (timing comparisons)
 
@@ -12,7 +10,9 @@ runtime statically, so the library loads on machines without a GPU. ptxas's reso
 (registers, shared memory, spills per kernel) is written to cuda_ffi/lib/ptxas_report.txt.
 The built library is picked up by `import cuda_ffi`; set DSV41_CUDA_LIB=/path/to/lib.so to use
 another one. Every build writes build_info.json beside the library (archs, nvcc release, git commit,
-time, source key), read by `cuda_ffi.build_info()` and `python -m dsv41_jax.info`.
+time, source key), read by `cuda_ffi.build_info()` and `python -m dsv41_jax.info`. `copy_sources`
+and `build_library(src_dir=...)` build a patched copy of the sources (the benchmarks' ablations);
+the host emulator of the CPU tests lives in tests/cuda_emulator/.
 
 Without an explicit build, `build_cached` is the first-use build: `cuda_ffi` calls it when a GPU of
 compute capability 9.x / 10.x is the default device and no library exists, and builds into
@@ -38,18 +38,21 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+CSRC = HERE / "csrc"
 LIB_DIR = HERE / "lib"
 BUILD_DIR = HERE / "build"
 LIB_NAME = "libdsv41_cuda.so"
-EMU_NAME = "libdsv41_emu.so"
 INFO_NAME = "build_info.json"
 DEFAULT_ARCHS = "90a;100a"
 CACHE_ENV = "DSV41_CUDA_CACHE"
-# the files the library is built from (package data, so an installed package can build itself)
+LIB_ENV = "DSV41_CUDA_LIB"  # a library to load instead of the built ones (cuda_ffi.library_path)
+# the files in csrc/ the library is built from (package data, so an installed package can build itself)
 SOURCE_GLOBS = ("CMakeLists.txt", "*.cu", "*.cuh", "*.h")
+NVCC_LOOKED_AT = "$CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin"
 
-__all__ = ["find_nvcc", "find_cmake", "find_cxx", "build_library", "build_emulator", "BuildError", "cache_root",
-           "source_key", "cached_library_path", "build_cached", "missing_tools", "build_hint", "INFO_NAME"]
+__all__ = ["find_nvcc", "find_cmake", "find_cxx", "build_library", "BuildError", "cache_root", "copy_sources",
+           "source_key", "cached_library_path", "build_cached", "missing_tools", "build_hint", "INFO_NAME",
+           "LIB_NAME", "LIB_ENV", "CACHE_ENV", "CSRC", "DEFAULT_ARCHS"]
 
 _log = logging.getLogger("dsv41_jax.cuda_ffi")
 
@@ -102,7 +105,7 @@ def missing_tools() -> list[str]:
     """What the CUDA build lacks here, each with where it was looked for ([] when nvcc and cmake are found)."""
     out = []
     if find_nvcc() is None:
-        out.append("nvcc not found (looked at $CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+        out.append(f"nvcc not found (looked at {NVCC_LOOKED_AT})")
     if find_cmake() is None:
         out.append("cmake not found (PATH or the `cmake` pip package)")
     return out
@@ -147,9 +150,6 @@ def _ptxas_report(text: str) -> str:
     return "\n".join(keep) + "\n"
 
 
-CONSUMERS = ("wgmma", "mma_sync")
-
-
 def _tool_output(cmd: list[str]) -> str | None:
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=30)
@@ -158,20 +158,20 @@ def _tool_output(cmd: list[str]) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def _build_info(*, archs: str, nvcc: str, force_mma_sync: bool, defines: tuple[str, ...]) -> dict:
+def _build_info(*, archs: str, nvcc: str, force_mma_sync: bool, defines: tuple[str, ...], src_dir: Path) -> dict:
     """What build_info.json records: enough to say which kernels a library holds and where they came from."""
     import jax
 
     version = _tool_output([nvcc, "--version"]) or ""
     release = next((line for line in version.splitlines() if "release" in line), None)  # "..., release 13.0, V13.0.88"
-    commit = _tool_output(["git", "-C", str(HERE), "rev-parse", "HEAD"])
-    dirty = _tool_output(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no", "--", *SOURCE_GLOBS])
+    commit = _tool_output(["git", "-C", str(CSRC), "rev-parse", "HEAD"])
+    dirty = _tool_output(["git", "-C", str(CSRC), "status", "--porcelain", "--untracked-files=no", "--", *SOURCE_GLOBS])
     return {
         "archs": archs.split(";"),
         "nvcc": release,
         "commit": commit,
-        "sources_modified": bool(dirty) if commit else None,
-        "source_key": source_key(archs),
+        "sources_modified": (bool(dirty) or src_dir != CSRC) if commit else None,
+        "source_key": source_key(archs, src_dir),
         "jax": jax.__version__,
         "force_mma_sync": force_mma_sync,
         "defines": list(defines),
@@ -181,15 +181,16 @@ def _build_info(*, archs: str, nvcc: str, force_mma_sync: bool, defines: tuple[s
 
 def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_dir: Path = LIB_DIR,
                   build_dir: Path = BUILD_DIR, verbose: bool = False, force_mma_sync: bool = False,
-                  defines: tuple[str, ...] = (), quiet: bool = False) -> Path:
+                  defines: tuple[str, ...] = (), quiet: bool = False, src_dir: Path = CSRC) -> Path:
     """Configure and build libdsv41_cuda.so with CMake; returns its path. sm_90a gets the wgmma
     consumers unless `force_mma_sync` (timing comparisons); sm_100a always the mma.sync ones.
-    `defines`: extra preprocessor definitions (NAME or NAME=VALUE) for experiments, e.g. the
-    DSV41_EXP_* switches of kernels.cuh that leave one stage out to time the others. `quiet`: no
-    "built ..." line on stdout (the first-use build logs instead)."""
+    `defines`: extra preprocessor definitions (NAME or NAME=VALUE). `src_dir`: the sources (csrc/, or
+    a patched copy from `copy_sources`). `quiet`: no "built ..." line on stdout (the first-use build
+    logs instead)."""
+    src_dir = Path(src_dir).resolve()
     nvcc = find_nvcc()
     if nvcc is None:
-        raise BuildError("nvcc not found (looked at $CUDACXX, $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+        raise BuildError(f"nvcc not found (looked at {NVCC_LOOKED_AT})")
     cmake = find_cmake()
     if cmake is None:
         raise BuildError("cmake not found (PATH or `pip install cmake`)")
@@ -197,7 +198,7 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
     build_dir.mkdir(parents=True, exist_ok=True)
     log: list[str] = []
     t0 = time.time()
-    _run([cmake, "-S", str(HERE), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+    _run([cmake, "-S", str(src_dir), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
           f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DXLA_FFI_INCLUDE_DIR={_ffi_include_dir()}",
           f"-DDSV41_CUDA_ARCHS={archs}", f"-DDSV41_OUTPUT_DIR={out_dir}",
           f"-DDSV41_FORCE_MMA_SYNC={'ON' if force_mma_sync else 'OFF'}",
@@ -208,7 +209,7 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
         raise BuildError(f"build finished but {lib} is missing")
     text = "\n".join(log)
     (out_dir / "build.log").write_text(text)
-    info = _build_info(archs=archs, nvcc=nvcc, force_mma_sync=force_mma_sync, defines=defines)
+    info = _build_info(archs=archs, nvcc=nvcc, force_mma_sync=force_mma_sync, defines=defines, src_dir=src_dir)
     (out_dir / INFO_NAME).write_text(json.dumps(info, indent=1) + "\n")
     report = _ptxas_report(text)
     if report.strip():  # an up-to-date (no-op) build compiles nothing: keep the last report
@@ -229,13 +230,13 @@ def cache_root() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def source_key(archs: str = DEFAULT_ARCHS) -> str:
-    """16 hex digits of the library's sources, the archs and the jax version (whose FFI headers it
-    compiles against)."""
+def source_key(archs: str = DEFAULT_ARCHS, src_dir: Path = CSRC) -> str:
+    """16 hex digits of the library's sources (csrc/, or a patched copy), the archs and the jax version
+    (whose FFI headers it compiles against)."""
     import jax
 
     h = hashlib.sha256(f"{archs}\0{jax.__version__}\0".encode())
-    for path in sorted({p for g in SOURCE_GLOBS for p in HERE.glob(g)}):
+    for path in sorted({p for g in SOURCE_GLOBS for p in Path(src_dir).glob(g)}):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -274,39 +275,22 @@ def build_cached(*, archs: str | None = None, jobs: int | None = None) -> Path:
     return lib
 
 
-EMU_SOURCES = ("emu_main.cc", "emu_runtime.h", "kernels.cuh", "seesaw.cuh", "prims.cuh", "params.h", "host_params.h")
-
-
-def build_emulator(*, out_dir: Path = LIB_DIR, opt: str = "-O2", force: bool = False,
-                   consumer: str = "wgmma", defines: tuple[str, ...] = ()) -> Path:
-    """Compile the host emulator of the kernels (emu_main.cc) with the C++ compiler; returns its path.
-    `consumer` picks the consumer warps emulated: "wgmma" (sm_90a's, libdsv41_emu.so) or
-    "mma_sync" (sm_100a's, libdsv41_emu_mma_sync.so). Skipped when the library is newer than all
-    its sources (unless `force`). `defines`: extra preprocessor definitions (the emulator tests'
-    planted bugs); such builds must go to an `out_dir` other than cuda_ffi/lib."""
-    if consumer not in CONSUMERS:
-        raise ValueError(f"consumer must be one of {CONSUMERS}, got {consumer!r}")
-    if defines and Path(out_dir).resolve() == LIB_DIR.resolve():
-        raise ValueError("build_emulator: builds with `defines` need an out_dir other than cuda_ffi/lib")
-    name = EMU_NAME if consumer == "wgmma" else EMU_NAME.replace(".so", f"_{consumer}.so")
-    out = out_dir / name
-    if not force and out.is_file():
-        newest = max((HERE / f).stat().st_mtime for f in EMU_SOURCES)
-        if out.stat().st_mtime > newest:
-            return out
-    cxx = find_cxx()
-    if cxx is None:
-        raise BuildError("no C++ compiler found (g++, c++, clang++ or $CXX)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / (name + ".tmp")
-    log: list[str] = []
-    t0 = time.time()
-    _run([cxx, "-std=c++17", opt, "-fPIC", "-shared", "-DDSV41_EMULATE", f"-DDSV41_WGMMA={int(consumer == 'wgmma')}",
-          *[f"-D{d}" for d in defines], "-I", str(HERE), str(HERE / "emu_main.cc"),
-          "-o", str(tmp), "-lpthread"], log)
-    os.replace(tmp, out)
-    print(f"built {out} in {time.time() - t0:.1f} s")
-    return out
+def copy_sources(dst: Path, patches: tuple[tuple[str, str, str], ...] = ()) -> Path:
+    """Copy the library's sources (csrc/) to `dst` and apply `patches`, each (file name, exact snippet,
+    replacement); a snippet must occur exactly once in its file, so a patch that no longer matches the
+    sources fails here instead of building something else. Returns `dst`."""
+    dst = Path(dst)
+    if dst.resolve() == CSRC:
+        raise ValueError("copy_sources: dst must not be csrc/ itself")
+    shutil.copytree(CSRC, dst, dirs_exist_ok=True)
+    for name, old, new in patches:
+        path = dst / name
+        text = path.read_text()
+        count = text.count(old)
+        if count != 1:
+            raise BuildError(f"copy_sources: {name} holds the patched snippet {count} times, not once:\n{old}")
+        path.write_text(text.replace(old, new))
+    return dst
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,27 +300,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force-mma-sync", action="store_true",
                     help="sm_90a: build the mma.sync consumers instead of wgmma (timing comparisons)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
-                    help="extra preprocessor definition (experiments, e.g. DSV41_EXP_NO_GATHER); repeatable")
+                    help="extra preprocessor definition; repeatable")
     ap.add_argument("--out-dir", type=Path, default=LIB_DIR, help="where the library goes (default cuda_ffi/lib)")
     ap.add_argument("--build-dir", type=Path, default=BUILD_DIR, help="CMake build directory (default cuda_ffi/build)")
-    ap.add_argument("--emu", action="store_true", help="also build the host emulator (CPU tests)")
-    ap.add_argument("--emu-only", action="store_true", help="build only the host emulator")
     ap.add_argument("--clean", action="store_true", help="remove the CMake build directory first")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     if a.define and a.out_dir.resolve() == LIB_DIR.resolve():
-        # experiment builds (DSV41_EXP_* leave stages out) must never replace the library the package loads
-        ap.error("--define needs --out-dir other than cuda_ffi/lib (experiment builds are not the package's library)")
+        # a build with other definitions must never replace the library the package loads
+        ap.error("--define needs --out-dir other than cuda_ffi/lib (such builds are not the package's library)")
     try:
         if a.clean and a.build_dir.exists():
             shutil.rmtree(a.build_dir)
-        if not a.emu_only:
-            build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose, force_mma_sync=a.force_mma_sync,
-                          defines=tuple(a.define), out_dir=a.out_dir, build_dir=a.build_dir)
-            print((a.out_dir / "ptxas_report.txt").read_text())
-        if a.emu or a.emu_only:
-            for consumer in CONSUMERS:
-                build_emulator(consumer=consumer)
+        build_library(archs=a.archs, jobs=a.jobs, verbose=a.verbose, force_mma_sync=a.force_mma_sync,
+                      defines=tuple(a.define), out_dir=a.out_dir, build_dir=a.build_dir)
+        print((a.out_dir / "ptxas_report.txt").read_text())
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

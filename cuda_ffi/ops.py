@@ -31,6 +31,10 @@ from dsv41_jax.kv_cache import f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import default_num_sms, num_sm_parts_for
 
+__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES", "MAX_PLANS",
+           "decode_supports", "prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "decode",
+           "prefill_kv_f16", "prepare_prefill", "prefill"]
+
 DECODE_TARGET = "dsv41_sparse_mla_decode"
 PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
@@ -50,10 +54,10 @@ def _require(name: str, x: Any, *, dtype, ndim: int) -> None:
         raise ValueError(f"cuda: {name} must be {ndim}-D, got shape {tuple(x.shape)}")
 
 
-def _check_cache(name: str, cache: Any, fmt: str, bs: int) -> None:
-    if fmt not in FORMAT_CODES:
-        raise ValueError(f"cuda: {name} format must be one of {sorted(FORMAT_CODES)}, got {fmt!r}")
-    if fmt == "bf16":
+def _check_cache(name: str, cache: Any, kv_format: str, bs: int) -> None:
+    if kv_format not in FORMAT_CODES:
+        raise ValueError(f"cuda: {name} format must be one of {sorted(FORMAT_CODES)}, got {kv_format!r}")
+    if kv_format == "bf16":
         _require(name, cache, dtype=jnp.bfloat16, ndim=3)
         if tuple(cache.shape[1:]) != (bs, HEAD_DIM):
             raise ValueError(f"cuda: {name} (bf16) must be [num_blocks, {bs}, {HEAD_DIM}], got {tuple(cache.shape)}")
@@ -187,19 +191,19 @@ def prepare_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
         eidx = _pad_axis(call.extra_indices, 2, _round_up(etopk, GROUP), -1)
         etl = _rows("extra_topk_length", call.extra_topk_length, etopk)
         ekv = call.extra_kv_cache
-        efmt, ebs = FORMAT_CODES[call.extra_kv_format], int(call.extra_block_size)
+        ekv_format, ebs = FORMAT_CODES[call.extra_kv_format], int(call.extra_block_size)
     else:
         ekv = jnp.zeros((1, 1), jnp.uint8)
         eidx = jnp.full((1, 1, 1), -1, jnp.int32)
         etl = jnp.asarray(np.zeros((1,), np.int32))
-        efmt, ebs = 0, 1
+        ekv_format, ebs = 0, 1
     meta, splits = plan
     parts = meta.shape[0]
     slots = 1 if plan.batch_invariant else b + parts
     args = (qp, call.kv_cache, idx, tl, sink, meta, splits, ekv, eidx, etl)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale), kv_format=np.int64(FORMAT_CODES[call.kv_format]),
                  block_size=np.int64(call.block_size), has_extra=np.int64(1 if call.has_extra else 0),
-                 extra_kv_format=np.int64(efmt), extra_block_size=np.int64(ebs))
+                 extra_kv_format=np.int64(ekv_format), extra_block_size=np.int64(ebs))
     results = (
         jax.ShapeDtypeStruct((b, s_q, h_pad, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((b, s_q, h_pad), jnp.float32),

@@ -117,3 +117,32 @@ def test_first_use_build_compiles_into_the_cache(fresh, monkeypatch, caplog):
     assert "cuda" in implementations.decode_impls() and "cuda" in implementations.prefill_impls()
     monkeypatch.setattr(cbuild, "build_library", lambda **kw: pytest.fail("built twice"))
     assert cbuild.build_cached() == lib
+
+
+def test_sources_live_in_csrc_and_ship_as_package_data():
+    # the build reads csrc/ only, and pyproject's package data names every file kind the build reads there
+    import tomllib
+
+    assert (cbuild.CSRC / "CMakeLists.txt").is_file() and (cbuild.CSRC / "kernels.cuh").is_file()
+    data = tomllib.loads((cbuild.HERE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert {f"csrc/{g}" for g in cbuild.SOURCE_GLOBS} <= set(data["cuda_ffi"])
+    # the product's sources hold no experiment switch and no planted-bug hook (those are patches: benchmarks/, tests/)
+    for path in cbuild.CSRC.iterdir():
+        text = path.read_text()
+        assert "DSV41_EXP_" not in text and "DSV41_TEST_PLANT" not in text, path.name
+
+
+def test_copy_sources_applies_each_patch_exactly_once(tmp_path):
+    dst = cbuild.copy_sources(tmp_path / "a", (("pair.cuh", "if constexpr (C::ncta == 2) cluster_sync();", "/*x*/"),))
+    assert "/*x*/" in (dst / "pair.cuh").read_text() and (dst / "CMakeLists.txt").is_file()
+    with pytest.raises(cbuild.BuildError, match="0 times"):
+        cbuild.copy_sources(tmp_path / "b", (("pair.cuh", "no such snippet", ""),))
+    with pytest.raises(ValueError):
+        cbuild.copy_sources(cbuild.CSRC)
+
+
+def test_every_ablation_patch_still_applies(tmp_path):
+    from benchmarks.cuda_ablations import ABLATIONS
+
+    for name, ablation in ABLATIONS.items():
+        cbuild.copy_sources(tmp_path / name, ablation.patches)

@@ -5,7 +5,7 @@
 2. Lowering: `sparse_mla_decode` / `sparse_mla_prefill` with impl="cuda" traced and lowered for
    the CUDA platform on CPU; the custom-call targets appear in the module text. Bad arguments
    raise clear errors at trace time.
-3. The kernels themselves, on the CPU: `libdsv41_emu.so` compiles cuda_ffi/kernels.cuh for the
+3. The kernels themselves, on the CPU: `libdsv41_emu.so` (tests/cuda_emulator/) compiles cuda_ffi/csrc/ for the
    host (every CUDA thread a fiber; ldmatrix / mma.sync / shfl / named barriers emulated with
    their PTX semantics; random interleavings) behind the same argument checks as the FFI
    handlers. Decode and prefill cases of the shared grid (plus split-heavy, multi-group and
@@ -14,8 +14,8 @@
 4. The device split planner (one warp per plan, run by the emulator) against
    `dsv41_jax.scheduler.plan_decode_splits` bit for bit on many random cases; the decode over a
    plan made in the call, passed in, stale (made from other lengths) or batch-invariant.
-5. Variant emulators (planted synchronisation bugs, experiment builds), each built with its own
-   definitions and run in a fresh interpreter. These builds and runs, and the builds of the two default
+5. Variant emulators (planted synchronisation bugs), each built from a patched copy of csrc/ and run
+   in a fresh interpreter. These builds and runs, and the builds of the two default
    emulators, run one at a time in a background thread started with the module (`background`), so
    that they overlap the in-process tests; their tests come last and wait for their results.
 """
@@ -37,6 +37,7 @@ import pytest
 
 import cuda_ffi
 from cuda_ffi import build as cbuild
+from tests.cuda_emulator import build as ebuild
 from dsv41_jax import make_decode_plan, plan_decode_splits, plan_is_stale, sparse_mla_decode, sparse_mla_prefill
 from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
 from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call, make_prefill_call as _make_prefill_call
@@ -90,10 +91,14 @@ def _variant(background, name: str, tmp_path: Path) -> tuple[int, str]:
     return background.result(name, lambda: _build_and_run(*_VARIANTS[name], tmp_path))
 
 
-def _build_and_run(defines: tuple[str, ...], script: str, out_dir: Path) -> tuple[int, str]:
-    """Build the emulator with `defines` (none: the default library), run `script` over it in a fresh
-    interpreter; (return code, output)."""
-    lib = cbuild.build_emulator(out_dir=out_dir, defines=defines) if defines else cbuild.build_emulator()
+def _build_and_run(patches: tuple[tuple[str, str, str], ...], script: str, out_dir: Path) -> tuple[int, str]:
+    """Build the emulator from csrc/ with `patches` (cuda_ffi.build.copy_sources; none: the default library),
+    run `script` over it in a fresh interpreter; (return code, output)."""
+    if patches:
+        src = cbuild.copy_sources(out_dir / "csrc", patches)
+        lib = ebuild.build_emulator(out_dir=out_dir, src_dir=src)
+    else:
+        lib = ebuild.build_emulator()
     r = subprocess.run([sys.executable, "-c", script, str(lib)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     return r.returncode, r.stdout + r.stderr
 
@@ -117,10 +122,10 @@ def _jobs(items, tmp_path_factory) -> dict:
             continue
         if name.startswith("emu"):
             consumer = "wgmma" if name == "emu" else name.removeprefix("emu_")
-            jobs[name] = functools.partial(cbuild.build_emulator, consumer=consumer)
+            jobs[name] = functools.partial(ebuild.build_emulator, consumer=consumer)
         else:
-            defines, script = _VARIANTS[name]
-            jobs[name] = functools.partial(_build_and_run, defines, script, tmp_path_factory.mktemp(name))
+            patches, script = _VARIANTS[name]
+            jobs[name] = functools.partial(_build_and_run, patches, script, tmp_path_factory.mktemp(name))
     return jobs
 
 
@@ -135,10 +140,10 @@ def background(request, tmp_path_factory):
 def _emulator(consumer: str, background: _Background):
     if cbuild.find_cxx() is None:
         pytest.skip("no C++ compiler (g++/c++/clang++) to build the kernel emulator")
-    from cuda_ffi import emulate
+    from tests.cuda_emulator import emulate
 
     name = "emu" if consumer == "wgmma" else f"emu_{consumer}"
-    return emulate.load(background.result(name, lambda: cbuild.build_emulator(consumer=consumer)), consumer=consumer)
+    return emulate.load(background.result(name, lambda: ebuild.build_emulator(consumer=consumer)), consumer=consumer)
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +277,7 @@ def test_auto_falls_back_to_xla_on_cpu():
 
 # ------------------------------------------------------------------------------ the kernels (emulated)
 def _check_decode(case, *, num_sms=132, seed=1, consumer="wgmma"):
-    from cuda_ffi.emulate import decode_emulated
+    from tests.cuda_emulator.emulate import decode_emulated
 
     out, lse = decode_emulated(_decode_call(case), num_sms=num_sms, seed=seed, consumer=consumer)
     case.check(out, lse, "emulated decode")
@@ -385,7 +390,7 @@ def test_emulated_decode_mma_sync_consumers(emu_mma_sync, kw, num_sms):
 
 @pytest.mark.slow
 def test_emulated_prefill_mma_sync_consumers(emu_mma_sync):
-    from cuda_ffi.emulate import prefill_emulated
+    from tests.cuda_emulator.emulate import prefill_emulated
 
     case = make_prefill_case(32, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf")
     out, ml, lse = prefill_emulated(_prefill_call(case), consumer="mma_sync")
@@ -399,7 +404,7 @@ def test_emulated_prefill_mma_sync_consumers(emu_mma_sync):
 def test_f16_operands_saturate_and_stay_finite(emu, kv_f16):
     # The kernels' tensor-core operands are f16: a latent value beyond 65504 saturates to 65504
     # instead of becoming inf (which would turn scores into NaN); f16_rows: the wrapper's conversion.
-    from cuda_ffi.emulate import prefill_emulated
+    from tests.cuda_emulator.emulate import prefill_emulated
 
     big, sat = make_saturating_prefill_case(33)
     out, ml, lse = prefill_emulated(_prefill_call(big), kv_f16=kv_f16)
@@ -415,7 +420,7 @@ def test_emulated_prefill_lazy_rescaling(emu, kv_f16):
     # Tile maxima rise by 3, 12, 13 (natural log): the lazily moved softmax base stays, moves, then lags
     # the true maximum; out, lse and max_logits must not notice. f16_rows: the seesaw's two warpgroups
     # move the base in turn (warpgroup 1 from warpgroup 0's, which then rescales its P and O).
-    from cuda_ffi.emulate import prefill_emulated
+    from tests.cuda_emulator.emulate import prefill_emulated
 
     case = make_growing_scores_prefill_case(35)
     _, e_ml, _ = case.expected()
@@ -445,7 +450,7 @@ def test_emulated_decode_lengths_past_topk_and_poison(emu):
               extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")), 8, 9),
 ], ids=["single_cta", "pair"])
 def test_emulated_decode_is_deterministic(emu, seed, kw, num_sms, other_seed):
-    from cuda_ffi.emulate import decode_emulated
+    from tests.cuda_emulator.emulate import decode_emulated
 
     call = _decode_call(make_decode_case(seed, **kw))
     a = decode_emulated(call, num_sms=num_sms, seed=1)
@@ -462,7 +467,7 @@ PREFILL_IDS = [name for name, _ in PREFILL_GRID]
 def test_emulated_prefill_grid(emu, name, kv_f16):
     # bf16_rows: prefill_cta (the producers convert); f16_rows: kv converted by the wrapper, the seesaw
     # CTA (cp.async producers, each warpgroup S of every other tile; seesaw.cuh)
-    from cuda_ffi.emulate import prefill_emulated
+    from tests.cuda_emulator.emulate import prefill_emulated
 
     i = PREFILL_IDS.index(name)
     case = make_prefill_case(200 + i, **PREFILL_GRID[i][1])
@@ -475,7 +480,7 @@ def test_emulated_prefill_grid(emu, name, kv_f16):
 
 @pytest.mark.parametrize("kv_f16", [False, True], ids=["bf16_rows", "f16_rows"])
 def test_emulated_prefill_two_groups_and_seeds(emu, kv_f16):
-    from cuda_ffi.emulate import prefill_emulated
+    from tests.cuda_emulator.emulate import prefill_emulated
 
     case = make_prefill_case(24, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf")
     a = prefill_emulated(_prefill_call(case), seed=3, kv_f16=kv_f16)
@@ -490,7 +495,7 @@ def test_emulated_prefill_two_groups_and_seeds(emu, kv_f16):
 
 def test_handler_checks_name_the_argument(emu):
     from cuda_ffi import ops as _ops
-    from cuda_ffi.emulate import run_decode_ffi, run_prefill_ffi
+    from tests.cuda_emulator.emulate import run_decode_ffi, run_prefill_ffi
 
     case = make_decode_case(25, fmt="fp8_ds_mla", topk=64, h_q=4)
     call = _decode_call(case)
@@ -550,7 +555,7 @@ PLAN_SHAPES = [(1, 1), (3, 66), (7, 3), (33, 2), (128, 33), (128, 66), (257, 132
 
 @pytest.mark.parametrize("b,parts", PLAN_SHAPES)
 def test_emulated_planner_matches_plan_decode_splits(emu, b, parts):
-    from cuda_ffi.emulate import plan_emulated
+    from tests.cuda_emulator.emulate import plan_emulated
 
     rng = np.random.default_rng(1000 * b + parts)
     jplan = jax.jit(lambda t: plan_decode_splits(t, topk=1 << 20, num_sm_parts=parts))
@@ -567,7 +572,7 @@ def test_emulated_planner_matches_plan_decode_splits(emu, b, parts):
 def test_emulated_planner_many_random_cases(emu, plan_oracle):
     # 300 more draws (b up to 300, lengths 0..20000, with/without extra, several part counts) against
     # the plain-Python FlashMLA planner, which tests/test_scheduler.py ties to plan_decode_splits.
-    from cuda_ffi.emulate import plan_emulated
+    from tests.cuda_emulator.emulate import plan_emulated
 
     rng = np.random.default_rng(7)
     for i in range(300):
@@ -592,7 +597,7 @@ def test_emulated_planner_many_random_cases(emu, plan_oracle):
 ])
 def test_emulated_planner_paths(emu, b, parts, topk, extra, want_cta):
     # the CTA planner where its table fits and the warp planner elsewhere, both equal to plan_decode_splits
-    from cuda_ffi.emulate import plan_emulated
+    from tests.cuda_emulator.emulate import plan_emulated
 
     rng = np.random.default_rng(b * 7 + parts)
     for draw in range(3):
@@ -611,7 +616,7 @@ def test_emulated_planner_paths(emu, b, parts, topk, extra, want_cta):
 def test_emulated_planner_clamps_like_the_kernel(emu):
     # lengths past topk / negative are clamped to [0, topk] (the decode kernel's clamp_len), so the
     # plan equals plan_decode_splits of the clamped lengths
-    from cuda_ffi.emulate import plan_emulated
+    from tests.cuda_emulator.emulate import plan_emulated
 
     tl = np.array([-7, 0, 5000, 63, 64, 65, 1 << 30], np.int32)
     et = np.array([9000, -1, 0, 1, 4096, 100, 7], np.int32)
@@ -625,7 +630,7 @@ def test_emulated_planner_clamps_like_the_kernel(emu):
 def test_emulated_planner_refuses_plans_past_its_int32_positions(emu):
     # the planner's positions reach twice the plan's total cost in int32: a plan that could pass 2^30 blocks
     # is refused by the handler's checks before any kernel runs
-    from cuda_ffi.emulate import plan_emulated
+    from tests.cuda_emulator.emulate import plan_emulated
 
     tl = np.zeros(32, np.int32)
     with pytest.raises(ValueError, match=r"split plan too large: b \* \(blocks per request \+ 5\) = 1073741984"):
@@ -636,7 +641,7 @@ def test_emulated_planner_refuses_plans_past_its_int32_positions(emu):
 
 def test_emulated_batch_planner_plans_each_layer_type(emu):
     # one launch, one warp per plan: every plan equals plan_decode_splits of its own lengths
-    from cuda_ffi.emulate import plan_batch_emulated
+    from tests.cuda_emulator.emulate import plan_batch_emulated
 
     rng = np.random.default_rng(11)
     b, parts = 37, 13
@@ -664,7 +669,7 @@ def test_emulated_batch_planner_plans_each_layer_type(emu):
 def test_emulated_decode_plan_in_call_and_passed_in(emu):
     # the plan made in the call (emulated planner kernel) is FlashMLA's; passing a plan made by make_decode_plan
     # gives bitwise the same outputs (same plan, same accumulation order)
-    from cuda_ffi.emulate import decode_emulated
+    from tests.cuda_emulator.emulate import decode_emulated
 
     case = make_decode_case(27, b=5, s_q=1, h_q=8, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
                             extra=dict(topk=128, block_size=2, fmt="bf16"))
@@ -698,7 +703,7 @@ def _stale_case(seed, **kw):
 def test_emulated_decode_stale_plans_stay_in_bounds(emu):
     # a plan made from other lengths: finite everywhere, never NaN from the poisoned unused slots; from longer
     # lengths (every request at topk) exact; from shorter ones the tokens outside the plan's blocks are dropped
-    from cuda_ffi.emulate import decode_emulated
+    from tests.cuda_emulator.emulate import decode_emulated
 
     case = _stale_case(28)
     call = _decode_call(case)
@@ -730,7 +735,7 @@ def test_emulated_decode_stale_plans_stay_in_bounds(emu):
 @pytest.mark.parametrize("h_q,pair", [(8, False), (128, True)])
 def test_emulated_decode_batch_invariant(emu, h_q, pair):
     # no split-KV and one part per request: a request's out and lse are bitwise the same alone and in any batch
-    from cuda_ffi.emulate import decode_emulated
+    from tests.cuda_emulator.emulate import decode_emulated
 
     case = make_decode_case(29, b=5, s_q=2, h_q=h_q, topk=300, block_size=61, fmt="fp8_ds_mla", lengths="var",
                             s_kv=900, extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla", lengths="var"))
@@ -748,11 +753,11 @@ def test_emulated_decode_batch_invariant(emu, h_q, pair):
 
 
 # ------------------------------------------------------------------- variant emulators (run in the background)
-# Each builds the emulator with preprocessor definitions and runs a script over it in a fresh interpreter; the
+# Each builds the emulator from a patched copy of csrc/ and runs a script over it in a fresh interpreter; the
 # module's `background` fixture starts them with the module, so they overlap the tests above.
 _PLANT_SCRIPT = '''
 import sys
-import cuda_ffi.emulate as E
+import tests.cuda_emulator.emulate as E
 E.load(path=sys.argv[1])
 from tests.attention_cases import make_decode_case
 from tests.test_cuda_ffi import _decode_call
@@ -767,8 +772,8 @@ print("PLANT-OK")
 @pytest.mark.parametrize("plant,what", [(0, None), (1, "PFULL wait"), (2, "PEMPTY wait"), (3, "final cluster barrier")])
 def test_emulator_catches_planted_pair_bugs(background, plant, what, tmp_path):
     # The emulator's cluster model must make each missing synchronisation of the pair protocol visible
-    # (kernels.cuh DSV41_TEST_PLANT); plant 0 is the unmodified kernel through the same script (the default
-    # build: DSV41_TEST_PLANT defaults to 0).
+    # (_PLANTS: each removes one wait or barrier from a copy of csrc/); plant 0 is the unmodified kernel through
+    # the same script.
     rc, out = _variant(background, f"plant{plant}", tmp_path)
     if plant == 0:
         assert rc == 0 and "PLANT-OK" in out, out[-3000:]
@@ -777,69 +782,16 @@ def test_emulator_catches_planted_pair_bugs(background, plant, what, tmp_path):
         assert "emu:" in out or "AssertionError" in out, out[-3000:]
 
 
-_SPLIT_SCRIPT = '''
-import sys
-import cuda_ffi.emulate as E
-E.load(path=sys.argv[1])
-from tests.attention_cases import make_decode_case, make_prefill_case, make_growing_scores_prefill_case
-from tests.test_cuda_ffi import _decode_call, _prefill_call, PAIR_CASES
-cases = [(make_decode_case(51, b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
-         (make_decode_case(52, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2)]
-cases += [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
-for i, (c, n) in enumerate(cases):
-    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=1 + i), f"split decode {i}")
-for c in (make_prefill_case(32, s_q=3, h_q=100, s_kv=300, topk=200, sink="inf"), make_growing_scores_prefill_case(35)):
-    c.check(E.prefill_emulated(_prefill_call(c)), "split prefill")
-print("SPLIT-OK")
-'''
-
-
-@pytest.mark.slow
-def test_emulated_flipped_consumer_shapes(background, tmp_path):
-    # The default build gives a pair's decode and prefill the split consumers (warpgroup 0: S, softmax,
-    # O[:, :256]; warpgroup 1: O[:, 256:]) and one CTA's decode the symmetric ones; this emulator flips the
-    # pairs and prefill (DSV41_EXP_DECODE_SYM, DSV41_EXP_NO_WG_SPLIT): symmetric pairs (S split over the
-    # dims, sym_qk_ksplit), single CTAs, split requests, bf16 and fp8, and a symmetric prefill; it also runs prefill's even head groups as 2-CTA pairs (DSV41_EXP_PREFILL_PAIR), and the
-    # pairs send their rows to the peer by lane st.async stores instead of cp.async.bulk (DSV41_EXP_PAIR_ST_ASYNC).
-    rc, out = _variant(background, "flipped", tmp_path)
-    assert rc == 0 and "SPLIT-OK" in out, out[-3000:]
-
-
-_WG1_ADDR_SCRIPT = '''
-import sys
-import cuda_ffi.emulate as E
-E.load(path=sys.argv[1])
-from tests.attention_cases import make_decode_case
-from tests.test_cuda_ffi import _decode_call, PAIR_CASES
-cases = [(make_decode_case(41, **kw), n) for kw, n in PAIR_CASES]
-cases += [(make_decode_case(53, b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
-          (make_decode_case(54, b=5, s_q=2, h_q=128, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
-                            invalid_frac=0.2), 6)]
-for i, (c, n) in enumerate(cases):
-    c.check(*E.decode_emulated(_decode_call(c), num_sms=n, seed=3 + i), f"producer-address decode {i}")
-print("WG1-ADDR-OK")
-'''
-
-
-@pytest.mark.slow
-def test_emulated_decode_producer_addresses(background, tmp_path):
-    # By default a pair's warpgroup 1 computes the producers' gather addresses into a ring of shared-memory
-    # slots (kernels.cuh AddrGen; the default emulator runs it in every pair case); DSV41_EXP_NO_WG1_ADDR
-    # gives that work back to the producers: pairs over several requests and splits, bf16 rows, masked and
-    # invalid tokens. The same build runs the DSV41_EXP_WG0_PV_LATE experiment (warpgroup 0's PV in flight
-    # across the wait for the next tile; the emulator fails a wgmma whose operands change in flight).
-    rc, out = _variant(background, "producer", tmp_path)
-    assert rc == 0 and "WG1-ADDR-OK" in out, out[-3000:]
-
-
-# background job -> (emulator definitions, script); the test each belongs to
+# The planted bugs: (file in csrc/, the exact synchronisation it removes, what replaces it). copy_sources fails when
+# a snippet no longer occurs exactly once, so an edit of the pair protocol that moves one shows up here.
+_PLANTS = {
+    1: ("producer.cuh", "      mbar_wait(smem_addr(smem + bar_pfull(buf)), (uint32_t)(tc >> 1) & 1u);\n", ""),
+    2: ("producer.cuh", "if (pair) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);", ""),
+    3: ("pair.cuh", "if constexpr (C::ncta == 2) cluster_sync();", ""),
+}
+# background job -> (patches of csrc/, script); the test each belongs to
 _VARIANTS = {
     "plant0": ((), _PLANT_SCRIPT),
-    **{f"plant{n}": ((f"DSV41_TEST_PLANT={n}",), _PLANT_SCRIPT) for n in (1, 2, 3)},
-    "flipped": (("DSV41_EXP_DECODE_SYM", "DSV41_EXP_NO_WG_SPLIT", "DSV41_EXP_PREFILL_PAIR", "DSV41_EXP_PAIR_ST_ASYNC"),
-                _SPLIT_SCRIPT),
-    "producer": (("DSV41_EXP_NO_WG1_ADDR", "DSV41_EXP_WG0_PV_LATE"), _WG1_ADDR_SCRIPT),
+    **{f"plant{n}": ((patch,), _PLANT_SCRIPT) for n, patch in _PLANTS.items()},
 }
-_VARIANT_TESTS = {"test_emulator_catches_planted_pair_bugs": "plant",
-                  "test_emulated_flipped_consumer_shapes": "flipped",
-                  "test_emulated_decode_producer_addresses": "producer"}
+_VARIANT_TESTS = {"test_emulator_catches_planted_pair_bugs": "plant"}

@@ -1,6 +1,6 @@
 """Two cuda decodes (fp8 main + extra cache, split plan; h 64 and h 128, the 2-CTA pair) and two prefills (bf16
 rows: prefill_cta; f16 rows: the seesaw CTA, two head groups, varying lengths), for
-`compute-sanitizer --tool memcheck python -m cuda_ffi.sanitize_case` (benchmarks/gpu_check.sh)."""
+`compute-sanitizer --tool memcheck python -m tests.cuda_emulator.sanitize_case` (benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 

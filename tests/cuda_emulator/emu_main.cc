@@ -1,7 +1,8 @@
 // Host emulation of the dsv41 kernels (CPU tests only; never part of the GPU library).
-// Built with: g++ -std=c++17 -O2 -fPIC -shared -DDSV41_EMULATE emu_main.cc -o libdsv41_emu.so
-// It runs the device code of kernels.cuh thread by thread (emu_runtime.h) behind the same
-// argument checks as the FFI handlers (host_params.h).
+// Built by tests/cuda_emulator/build.py: g++ -std=c++17 -O2 -fPIC -shared -DDSV41_EMULATE
+// -I tests/cuda_emulator -I cuda_ffi/csrc emu_main.cc -o libdsv41_emu.so. It runs the device code of
+// the product's kernels (cuda_ffi/csrc/) thread by thread (emu_runtime.h) behind the same argument
+// checks as the FFI handlers (host_params.h).
 #include <cmath>
 #include <cstdio>
 #include <cstring>

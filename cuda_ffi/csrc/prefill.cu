@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads, 1) dsv41_prefill_f16_kernel(const __
 }
 
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
-  static unsigned long long done[2] = {0, 0};
+  static unsigned long long done = 0;
   static unsigned long long done_f16 = 0;
   const long long grid = (long long)p.num_groups * p.s_q;
   if (grid <= 0) return cudaSuccess;
@@ -32,16 +32,11 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     return launch_attention(dsv41_prefill_f16_kernel, p, grid, false, stream);
   }
-#ifdef DSV41_EXP_PREFILL_PAIR
-  const bool pair = p.pair != 0;
-  auto* kernel = pair ? dsv41_prefill_kernel<true> : dsv41_prefill_kernel<false>;
-#else  // p.pair is always 0 (host_params.h): the paired kernel is not built
-  const bool pair = false;
+  // p.pair is always 0 (host_params.h): one CTA per head group, the paired kernel is not built
   auto* kernel = dsv41_prefill_kernel<false>;
-#endif
-  cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
+  cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done);
   if (e != cudaSuccess) return e;
-  return launch_attention(kernel, p, grid, pair, stream);
+  return launch_attention(kernel, p, grid, false, stream);
 }
 
 }  // namespace dsv41

@@ -168,16 +168,8 @@ inline std::string row_lengths(const char* name, const TensorView& t, int64_t ro
 // 512] bf16, lse [b, s_q, h_pad] f32, o_accum [slots, s_q, h_pad, 512] f32 and lse_accum [slots, s_q,
 // h_pad] f32 with slots = b + num_parts, or 1 for a plan without split-KV (no combine runs).
 // Head groups 2k and 2k + 1 of one query row attend to the same tokens: with an even number of
-// groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
-// DSV41_EXP_NO_PAIR experiment build keeps one CTA per group (timing comparisons).
-inline int32_t pair_groups(int64_t num_groups) {
-#ifdef DSV41_EXP_NO_PAIR
-  (void)num_groups;
-  return 0;
-#else
-  return num_groups % 2 == 0 ? 1 : 0;
-#endif
-}
+// groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh).
+inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }
 
 inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*4*/, float softmax_scale,
                                       int64_t kv_format, int64_t block_size, int64_t has_extra,
@@ -306,16 +298,8 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
   return "";
 }
 
-// Prefill pairs (head groups 2k, 2k + 1 of one query token sharing each tile's gather, as decode's):
-// the DSV41_EXP_PREFILL_PAIR experiment build only (bf16 rows measured slower paired on 2026-11-30).
-inline int32_t prefill_pair_groups(int64_t num_groups) {
-#ifdef DSV41_EXP_PREFILL_PAIR
-  return pair_groups(num_groups);
-#else
-  (void)num_groups;
-  return 0;
-#endif
-}
+// Prefill runs one CTA per head group: for bf16 rows a pair's hand-off costs more than the halved
+// gather saves (benchmarks/RESULTS.md), so PrefillParams::pair is always 0.
 
 // Prefill: q [s_q, h_pad, 512] bf16, kv [s_kv, 512] bf16 or f16, indices [s_q, topk] int32, topk_length
 // [s_q] int32 (or [1]: one for all), attn_sink [h_pad] f32 (or [0]: no sink); results out
@@ -370,7 +354,7 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->s_q = (int32_t)s_q;
   p->h_pad = (int32_t)h_pad;
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
-  p->pair = prefill_pair_groups(p->num_groups);
+  p->pair = 0;
   return "";
 }
 

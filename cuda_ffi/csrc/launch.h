@@ -17,7 +17,7 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream);
 
 // Launches an attention kernel (kThreads threads, kSmemLaunchBytes of dynamic shared memory) over
 // `grid` CTAs, as 2-CTA clusters when `pair` (the head-group pairs of kernels.cuh's crew).
-// Single CTAs use a plain launch: a cluster launch, even of 1-CTA clusters, measured slower.
+// Single CTAs use a plain launch: a cluster launch, even of 1-CTA clusters, is slower.
 template <class Params>
 cudaError_t launch_attention(void (*kernel)(const Params), const Params& p, long long grid, bool pair,
                              cudaStream_t stream) {

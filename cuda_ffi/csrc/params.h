@@ -21,16 +21,10 @@ static_assert(kLaunchRegs == 168, "the register budgets below assume 384 threads
 constexpr int kProducerRegs = 128;       // symmetric consumers, one CTA: 128 + 2 x 184 = 496
 constexpr int kConsumerRegs = 184;
 // A pair's producers hold one fp8 token quarter or half a bf16 row (kernels.cuh BatchT<9>) and fit 104
-// registers; its consumers get 200 (split: warpgroup 0's S and packed P next to O; symmetric: the m64n64
-// partial scores of sym_qk_ksplit). (A 12-byte spill in the producers made the decode 20% slower:
-// RESULTS.md, eighth session; the split consumers at 120 / 192 spilled 24 bytes, thirteenth session.)
-#ifndef DSV41_EXP_PAIR_REGS_P
+// registers; its split consumers get 200 (warpgroup 0's S and packed P next to O). A spill in the
+// producers costs the decode far more than the registers it frees (benchmarks/RESULTS.md).
 constexpr int kPairProducerRegs = 104;  // 104 + 2 x 200 = 504
 constexpr int kPairConsumerRegs = 200;
-#else  // experiments (the trace build): producers DSV41_EXP_PAIR_REGS_P, consumers what is left
-constexpr int kPairProducerRegs = DSV41_EXP_PAIR_REGS_P;
-constexpr int kPairConsumerRegs = ((3 * kLaunchRegs - DSV41_EXP_PAIR_REGS_P) / 2) & ~7;
-#endif
 constexpr int kSplitProducerRegs = 120;  // split consumers (kernels.cuh consume_tile_split): 120 + 2 x 192
 constexpr int kSplitConsumerRegs = 192;
 // The f16-row prefill (seesaw.cuh): cp.async producers hold only addresses (72), each consumer keeps
@@ -117,7 +111,7 @@ struct PrefillParams {
 };
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P
-// are f16 in the 128-byte-swizzled layout wgmma reads (prims.cuh): a [rows][512] matrix is 8
+// are f16 in the 128-byte-swizzled layout wgmma reads (primitives.cuh): a [rows][512] matrix is 8
 // column blocks of 64 dims, block j = [rows][128 B] at j * rows * 128, chunk c of a row at c ^ (row & 7).
 constexpr int kTileBytes = kTileTokens * kHeadDim * 2;                 // 65536: one K/V tile
 constexpr int kSmemQ = 0;                                              // f16 [64 heads][512]
@@ -131,8 +125,8 @@ constexpr int kSmemMfin = kSmemLsum + 2 * 64 * 4;                      // f32 [6
 constexpr int kSmemMtrue = kSmemMfin + 64 * 4;                         // f32 [64] running maxima (max_logits)
 constexpr int kSmemValid = kSmemMtrue + 64 * 4;                        // u32 [2 buffers][8]: bit j of word i = token 8i+j
 constexpr int kSmemBars = kSmemValid + 64;                             // u64 mbarriers (pairs): PFULL[2], PEMPTY[2]
-constexpr int kSmemXS = kSmemBars + 32;                                // f32 [2 directions][4][128 threads][4]: a pair's
-                                                                       // partial scores (kernels.cuh sym_qk_ksplit)
+constexpr int kSmemXS = kSmemBars + 32;                                // 16 KB exchange region: a pair's address ring
+                                                                       // (kernels.cuh AddrGen), seesaw.cuh's flags
 constexpr int kSmemBytes = kSmemXS + 2 * 4 * 128 * 16;                 // 231264
 constexpr int kSmemAlign = 1024;                                       // swizzle atoms
 constexpr int kSmemLaunchBytes = kSmemBytes + kSmemAlign;              // dynamic bytes requested

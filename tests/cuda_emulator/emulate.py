@@ -1,12 +1,12 @@
 """Run the CUDA kernels on the CPU through the host emulator (tests only).
 
-`libdsv41_emu.so` (built by `python -m cuda_ffi.build --emu-only`) compiles kernels.cuh for the
+`libdsv41_emu.so` (built by `python -m tests.cuda_emulator.build`) compiles cuda_ffi/csrc/ for the
 host with sm_90a's wgmma consumers, `libdsv41_emu_mma_sync.so` with sm_100a's mma.sync ones (pick
 with `consumer=`): every CUDA thread is a fiber, warp-collective instructions exchange their operands with
 the PTX fragment semantics, named barriers count arrivals. `decode_emulated(call)` /
 `prefill_emulated(call)` run the same JAX-side preparation as the GPU path (`_ops.prepare_*`:
 head/topk padding, empty operands for absent lengths and sinks), the same argument checks as the
-FFI handlers (host_params.h), then the kernels (the split planner when the call brings no plan,
+FFI handlers (csrc/host_params.h), then the kernels (the split planner when the call brings no plan,
 decode, combine), and slice the results like the GPU path. `plan_emulated` runs the planner kernel
 alone. Outputs start poisoned (NaN), so an element the kernels never write fails any comparison.
 """
@@ -23,10 +23,13 @@ import numpy as np
 from cuda_ffi import ops as _ops
 from dsv41_jax.plans import DecodePlan
 from dsv41_jax.scheduler import num_sm_parts_for
+from tests.cuda_emulator.build import CONSUMERS, LIB_DIR, emulator_name
 
-EMU_LIB = Path(__file__).resolve().parent / "lib" / "libdsv41_emu.so"
-# The consumer warps each emulator build runs: sm_90a's wgmma (default) or sm_100a's mma.sync.
-EMU_LIBS = {"wgmma": EMU_LIB, "mma_sync": EMU_LIB.with_name("libdsv41_emu_mma_sync.so")}
+__all__ = ["EMU_LIB", "EMU_LIBS", "load", "run_decode_ffi", "run_prefill_ffi", "plan_batch_emulated", "plan_emulated",
+           "emulated_plan", "decode_emulated", "prefill_emulated"]
+
+EMU_LIBS = {c: LIB_DIR / emulator_name(c) for c in CONSUMERS}
+EMU_LIB = EMU_LIBS["wgmma"]
 
 _DTYPES = {np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.uint8): 2, np.dtype(np.int32): 3, np.dtype(np.float32): 4,
            np.dtype(np.float16): 5}

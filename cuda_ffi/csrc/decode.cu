@@ -1,5 +1,4 @@
 // Sparse MLA decode over a paged KV cache + split combine (device build of kernels.cuh).
-#define DSV41_TRACE_HERE  // the decode is the one traced (DSV41_EXP_TRACE)
 #include "kernels.cuh"
 #include "launch.h"
 
@@ -71,17 +70,3 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
 }
 
 }  // namespace dsv41
-
-#if defined(DSV41_EXP_TRACE)
-// Timeline experiment (kernels.cuh, DSV41_EXP_TRACE): copy the stamps of the last decode call out.
-extern "C" int dsv41_trace_read(void* dst, size_t bytes) {
-  if (bytes > sizeof(dsv41_trace_buf)) bytes = sizeof(dsv41_trace_buf);
-  cudaError_t e = cudaDeviceSynchronize();
-  if (e == cudaSuccess) e = cudaMemcpyFromSymbol(dst, dsv41_trace_buf, bytes);
-  return (int)e;
-}
-extern "C" int dsv41_trace_shape(int* out) {
-  out[0] = dsv41::kTrCtas; out[1] = dsv41::kTrSlots; out[2] = dsv41::kTrTiles; out[3] = dsv41::kTrEvents;
-  return 0;
-}
-#endif

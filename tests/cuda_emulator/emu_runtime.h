@@ -1,5 +1,5 @@
 // A small cooperative emulator of CUDA thread blocks on the host, for testing the kernels of
-// kernels.cuh on machines without a GPU (tests/test_cuda_ffi.py builds it with g++).
+// kernels.cuh on machines without a GPU (tests/cuda_emulator/build.py builds it with g++).
 //
 // Every CUDA thread is a fiber (ucontext). Fibers switch only at synchronisation points:
 // named barriers (bar.sync / bar.arrive) and warp collectives (ldmatrix, mma.sync, shfl,

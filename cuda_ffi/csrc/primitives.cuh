@@ -183,7 +183,7 @@ DEVFN uint32_t pack_bf16x2(float lo, float hi) {
 // f16 <-> f32. The kernels' tensor-core operands are f16 (11-bit significand, f32 accumulation):
 // bf16 values with 2^-17 <= |x| <= 65504 and e4m3 x 2^k with k >= -15 convert exactly (smaller
 // magnitudes round on f16's subnormal grid, error < 2^-25; larger ones saturate), and a single f16 P
-// is accurate enough for FlashMLA's output tolerance where a single bf16 P is not (cuda_notes.md).
+// is accurate enough for FlashMLA's output tolerance where a single bf16 P is not (docs/cuda_kernels.md).
 DEVFN float f16_to_f32(uint32_t h) {
 #if DSV41_DEVICE
   float f;
@@ -235,12 +235,6 @@ DEVFN uint32_t pack_f16x2(float lo, float hi) {
 }
 // Two packed bf16 -> two packed f16 (exact inside f16's range).
 DEVFN uint32_t bf16x2_to_f16x2(uint32_t v) { return pack_f16x2(bf16_lo(v), bf16_hi(v)); }
-// pack_f16x2 or pack_bf16x2: the element type of a kernel's tensor-core operands.
-template <bool kBf16>
-DEVFN uint32_t pack_x2(float lo, float hi) {
-  if constexpr (kBf16) return pack_bf16x2(lo, hi);
-  else return pack_f16x2(lo, hi);
-}
 
 DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes);
 
@@ -325,8 +319,7 @@ DEVFN uint32_t smem_addr(const void* p) {
 // A cluster address names byte `off` of CTA `rank`'s shared memory (device: mapa; emulator:
 // rank << 24 | off). mbarriers live in shared memory (8 bytes, 8-aligned). Arrivals release and
 // waits acquire at CTA scope (the PTX defaults, as CUTLASS's cluster pipelines use them):
-//  * PFULL (the peer's cp.async.bulk rows and st.async mask words, or st.async rows under
-//    DSV41_EXP_PAIR_ST_ASYNC; complete_tx): the transaction mechanism makes the peer's writes
+//  * PFULL (the peer's cp.async.bulk rows and st.async mask words; complete_tx): the transaction mechanism makes the peer's writes
 //    visible to the threads that observe the phase (assumed, as CUTLASS and FlashMLA do, to hold
 //    for a CTA-scope acquire of a phase completed by another CTA's writes; kernels.cuh).
 //  * PEMPTY (remote arrivals of the peer's consumer warps): each arrives after wgmma.wait_group (and,

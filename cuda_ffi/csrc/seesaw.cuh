@@ -338,7 +338,7 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   setmaxnreg_inc<kSeesawConsumerRegs>();
   Acc acc;
   const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
-  if (npairs > 0) load_q<false>(smem, p.q + head_row * kHeadDim, thread_idx());
+  if (npairs > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
   acc_reset(acc);
   if (npairs > 0) {
     if (w < 4)

@@ -1,0 +1,85 @@
+"""Ablation builds of the CUDA library: the product's sources (cuda_ffi/csrc/) copied and patched, so the
+product carries no switch for them. Each leaves one stage out or changes one design choice, to measure what
+that stage costs in the decode and prefill (benchmarks/gpu_check.sh cuda-ablation; figures in
+benchmarks/RESULTS.md). Timing only: no_gather and neither compute on zero rows, no_mma and neither skip the
+tensor-core work, so their outputs are wrong.
+
+    python -m benchmarks.cuda_ablations no_gather --out-dir /tmp/dsv41_no_gather --build-dir /tmp/b_no_gather
+    DSV41_CUDA_LIB=/tmp/dsv41_no_gather/libdsv41_cuda.so python -m benchmarks.sparse_mla --quick --impls cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+from cuda_ffi import build as cbuild
+
+__all__ = ["Ablation", "ABLATIONS", "build_ablation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+    what: str
+    patches: tuple[tuple[str, str, str], ...] = ()  # cuda_ffi.build.copy_sources: (file, exact snippet, replacement)
+    force_mma_sync: bool = False
+
+
+_NO_GATHER = (
+    ("producer.cuh", "DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {\n",
+     "DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {\n  return;\n"),
+    ("producer.cuh", "  bt.sc.x = bt.sc.y = 0x7f7f7f7fu;\n", "  bt.sc.x = bt.sc.y = 0x7f7f7f7fu;\n  return;\n"),
+)
+_NO_MMA = (
+    ("consumer.cuh", "  for (int ks = 0; ks < kSteps; ++ks) {\n    const uint32_t koff", "  for (int ks = 0; ks < 0; ++ks) {\n    const uint32_t koff"),
+    ("consumer.cuh", "  for (int kk = 0; kk < kTileTokens / 16; ++kk)\n    wgmma_m64n256k16_tb",
+     "  for (int kk = 0; kk < 0; ++kk)\n    wgmma_m64n256k16_tb"),
+    ("consumer.cuh", "  for (int kk = 0; kk < kTileTokens / 16; ++kk) {\n    const uint32_t a[4]",
+     "  for (int kk = 0; kk < 0; ++kk) {\n    const uint32_t a[4]"),
+)
+
+ABLATIONS = {
+    "default": Ablation("the product's kernels, built the same way (the reference row)"),
+    "no_gather": Ablation("no cache reads and no L2 prefetch (zero rows), everything else unchanged", _NO_GATHER),
+    "no_mma": Ablation("no wgmma work (S and PV), everything else unchanged", _NO_MMA),
+    "neither": Ablation("no cache reads and no wgmma work", _NO_GATHER + _NO_MMA),
+    "no_pair": Ablation("decode with one CTA per head group instead of 2-CTA head-group pairs", (
+        ("host_params.h", "inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }",
+         "inline int32_t pair_groups(int64_t num_groups) { (void)num_groups; return 0; }"),)),
+    "mma_sync": Ablation("sm_100a's mma.sync consumers on sm_90a", force_mma_sync=True),
+}
+
+
+def build_ablation(name: str, *, out_dir: Path, build_dir: Path, archs: str = "90a", jobs: int | None = None) -> Path:
+    """Build ablation `name` into out_dir (never cuda_ffi/lib); its patched sources go to build_dir/csrc."""
+    ab = ABLATIONS[name]
+    if Path(out_dir).resolve() == cbuild.LIB_DIR.resolve():
+        raise ValueError("ablation builds need an out_dir other than cuda_ffi/lib")
+    src = Path(build_dir) / "csrc"
+    shutil.rmtree(src, ignore_errors=True)
+    cbuild.copy_sources(src, ab.patches)
+    return cbuild.build_library(archs=archs, jobs=jobs, out_dir=Path(out_dir), build_dir=Path(build_dir) / "cmake",
+                                force_mma_sync=ab.force_mma_sync, src_dir=src)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cuda_ablations", description=__doc__.split("\n\n")[0])
+    ap.add_argument("name", choices=sorted(ABLATIONS))
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--build-dir", type=Path, required=True)
+    ap.add_argument("--archs", default="90a")
+    ap.add_argument("--jobs", type=int, default=None)
+    a = ap.parse_args(argv)
+    try:
+        build_ablation(a.name, out_dir=a.out_dir, build_dir=a.build_dir, archs=a.archs, jobs=a.jobs)
+    except cbuild.BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+// The decode CTA: its share of the split plan, the tile cursor over requests and the two caches, the
+// segment boundary, warpgroup 1's address generator (pairs).
+#pragma once
+
+#include "consumer.cuh"
+
+namespace dsv41 {
+
+// The CTA's share of the split plan (flashmla.md section 3): requests begin_req..end_req;
+// blocks [begin_blk, ...) of the first and [..., end_blk) of the last. A request's blocks are
+// its main-cache blocks (nmain = ceil(max(len, 1) / 64)), then its extra-cache blocks
+// (ceil(extra_len / 64)), exactly as plan_decode_splits counts them. The plan is a value of the
+// caller's (dsv41_jax.plans), possibly made from other lengths: ranges are cut to the request's own
+// blocks, so every block is attended at most once and nothing outside the request is read.
+struct DecodeWork {
+  int begin_req, end_req, begin_blk, end_blk, begin_split;
+};
+
+DEVFN DecodeWork decode_work(const DecodeParams& p, int part) {
+  const int32_t* m = p.sched + (int64_t)part * 8;
+  DecodeWork wk;
+  wk.begin_req = ldg_nc_s32(m + 0);
+  wk.end_req = ldg_nc_s32(m + 1);
+  wk.begin_blk = ldg_nc_s32(m + 2);
+  wk.end_blk = ldg_nc_s32(m + 3);
+  wk.begin_split = ldg_nc_s32(m + 4);
+  if (wk.begin_req < 0) wk.begin_req = 0;
+  if (wk.end_req > p.b - 1) wk.end_req = p.b - 1;
+  return wk;
+}
+
+struct DecodeSeg {
+  int blk0, blk1, nmain, len_main, len_extra;
+};
+
+DEVFN DecodeSeg decode_segment(const DecodeParams& p, const DecodeWork& wk, int req) {
+  DecodeSeg sg;
+  sg.len_main = load_len(p.main.lengths, p.main.lengths_stride, req, p.main.topk);
+  sg.len_extra = p.has_extra ? load_len(p.extra.lengths, p.extra.lengths_stride, req, p.extra.topk) : 0;
+  const int lm = sg.len_main > 0 ? sg.len_main : 1;
+  sg.nmain = (lm + kTileTokens - 1) / kTileTokens;
+  const int nblk = sg.nmain + (sg.len_extra + kTileTokens - 1) / kTileTokens;
+  sg.blk0 = req == wk.begin_req ? wk.begin_blk : 0;
+  sg.blk1 = req == wk.end_req ? wk.end_blk : nblk;
+  if (sg.blk0 < 0) sg.blk0 = 0;
+  if (sg.blk1 > nblk) sg.blk1 = nblk;  // a plan for longer requests (a stale or a batch-invariant one)
+  return sg;
+}
+
+// Cursor over a CTA's tiles in the consumers' order: requests begin_req..end_req, blocks [blk0, blk1) of
+// each (empty segments give no tile); next() returns ok = false past the end.
+struct TileCursor {
+  const DecodeParams& p;
+  DecodeWork wk;
+  int s, req, blk;
+  DecodeSeg sg;
+  DEVFN TileCursor(const DecodeParams& p_, const DecodeWork& wk_, int s_)
+      : p(p_), wk(wk_), s(s_), req(wk_.begin_req), blk(0), sg{0, 0, 0, 0, 0} {
+    if (req <= wk.end_req) {
+      sg = decode_segment(p, wk, req);
+      blk = sg.blk0;
+    }
+  }
+  DEVFN TileSrc next() {
+    while (req <= wk.end_req && blk >= sg.blk1) {
+      if (++req > wk.end_req) break;
+      sg = decode_segment(p, wk, req);
+      blk = sg.blk0;
+    }
+    TileSrc t{0, 0, 0, false, false};
+    if (req > wk.end_req) return t;
+    t.ok = true;
+    t.row = (int64_t)req * p.s_q + s;
+    if (!p.has_extra || blk < sg.nmain) {
+      t.len = sg.len_main;
+      t.tok0 = blk * kTileTokens;
+    } else {
+      t.extra = true;
+      t.len = sg.len_extra;
+      t.tok0 = (blk - sg.nmain) * kTileTokens;
+    }
+    ++blk;
+    return t;
+  }
+};
+
+template <class C>
+DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int s, int pw,
+                            int lane) {
+  TileCursor cur(p, wk, s);
+  produce_tiles(smem, crew, Pools{&p.main, &p.extra}, pw, lane, [&]() -> TileSrc { return cur.next(); });
+}
+
+// The staged segment boundary (wgmma builds: it needs their O layout): a decode CTA's boundary between
+// requests with fewer serial latencies: the split counts loaded before the row statistics' barrier, the
+// output staged in the Q region and stored with coalesced 16-byte writes (write_final_staged), Q loaded
+// with all 16 loads in flight, and the next request's Q prefetched into L2 when a segment starts.
+constexpr bool kStagedEpi = kWgmma;
+// The piece of an empty segment (a plan made for longer requests than the call's), so that every slot the plan
+// names holds a value: O = 0, lse2 = -inf into its accumulator slot, or, when the request is one piece, out = 0,
+// lse = +inf. Written by the consumer threads, with no tile.
+DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
+                             int group, int ct) {
+  const int first = ldg_nc_s32(p.num_splits + req);
+  const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+  const uint4 zero = make_u4(0u, 0u, 0u, 0u);
+  if (pieces <= 1 || p.num_slots <= 1) {
+    uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
+    for (int i = ct; i < kHeadsPerCta * kHeadDim / 8; i += kConsumerThreads) o[i] = zero;
+    if (ct < kHeadsPerCta) p.lse[head_row + ct] = finf();
+    return;
+  }
+  const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
+  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
+  uint4* o = reinterpret_cast<uint4*>(p.o_accum + arow * kHeadDim);
+  for (int i = ct; i < kHeadsPerCta * kHeadDim / 4; i += kConsumerThreads) o[i] = zero;
+  if (ct < kHeadsPerCta) p.lse_accum[arow + ct] = -finf();
+}
+
+template <class C, class Side>
+DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
+                                int s, int w, int lane, const Side& side) {
+  Acc acc;
+  int tc = 0;
+  const int ct = thread_idx();
+  for (int req = wk.begin_req; req <= wk.end_req; ++req) {
+    const DecodeSeg sg = decode_segment(p, wk, req);
+    const int64_t row = (int64_t)req * p.s_q + s;
+    const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
+    if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
+      write_empty_piece(p, wk, req, s, head_row, group, ct);
+      continue;
+    }
+    const int ntiles = sg.blk1 - sg.blk0;
+    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
+    if (kStagedEpi && req < wk.end_req) {  // the next request's 64 KB of Q rows: two 128-byte lines per thread
+      const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim);
+      prefetch_l2(qn + 128 * ct);
+      prefetch_l2(qn + 128 * (ct + kConsumerThreads));
+    }
+    acc_reset(acc);
+    consume_tiles(crew, smem, tc, ntiles, acc, p.scale_log2, w, lane, side);
+    tc += ntiles;
+    int first, pieces;
+    if constexpr (kStagedEpi) {  // (their latency under the barrier's)
+      first = ldg_nc_s32(p.num_splits + req);
+      pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+    }
+    publish_row_stats(smem, acc, w, lane);
+    if constexpr (!kStagedEpi) {
+      first = ldg_nc_s32(p.num_splits + req);
+      pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+    }
+    if (pieces <= 1 || p.num_slots <= 1) {  // (one slot: the caller's plan has no split-KV, no combine runs)
+      if constexpr (kStagedEpi)
+        write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
+                                        group_sink(p.sink, group));
+      else
+        write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
+                    group_sink(p.sink, group));
+    } else {
+      const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
+      if (slot >= 0 && slot < p.num_slots) {  // (the combine reads only slots inside the buffer too)
+        const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
+        write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
+      }
+    }
+  }
+}
+
+// Warp 4's walk over the CTA's tiles, kAddrLead ahead of the consumers, publishing each tile's addresses
+// into the ring ("address ring" above); its index loads one tile ahead of that.
+struct AddrGen {
+  TileCursor cur;
+  TileSrc ta;  // the next tile to publish and this lane's index of it
+  int32_t ia;
+  DEVFN AddrGen(const DecodeParams& p, const DecodeWork& wk, int s) : cur(p, wk, s), ta{0, 0, 0, false, false}, ia(-1) {}
+  DEVFN void prologue(char* smem, int rank, int lane) {  // tiles 0..kAddrLead - 1
+    const Pools ps{&cur.p.main, &cur.p.extra};
+    TileSrc t[kAddrLead];
+    int32_t i[kAddrLead];
+#pragma unroll
+    for (int k = 0; k < kAddrLead; ++k) {
+      t[k] = cur.next();
+      i[k] = half_index(ps, t[k], rank, lane);
+    }
+#pragma unroll
+    for (int k = 0; k < kAddrLead; ++k) publish_half_addr(addr_slot(smem, k), ps, t[k], i[k], rank, lane);
+    ta = cur.next();
+    ia = half_index(ps, ta, rank, lane);
+  }
+  DEVFN void step(char* smem, int tc, int rank, int lane) {  // while consuming tile tc
+    const Pools ps{&cur.p.main, &cur.p.extra};
+    publish_half_addr(addr_slot(smem, tc + kAddrLead), ps, ta, ia, rank, lane);
+    ta = cur.next();
+    ia = half_index(ps, ta, rank, lane);
+  }
+};
+
+// Warpgroup 1's side work (consume_tile_split): warp 4 steps the generator.
+struct Wg1Side {
+  mutable AddrGen gen;
+  char* smem;
+  int rank, lane;
+  bool on;
+  DEVFN void operator()(int tc) const {
+    if (on) gen.step(smem, tc, rank, lane);
+  }
+};
+
+template <class C>
+DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
+                            int s, int w, int lane) {
+  if constexpr (C::wg1_addr) {
+    if (w >= 4) {
+      Wg1Side side{AddrGen(p, wk, s), smem, crew.rank, lane, w == 4};
+      if (side.on) side.gen.prologue(smem, crew.rank, lane);
+      bar_arrive(kBarAddr, 256);
+      decode_consumer_loop(p, wk, smem, crew, group, s, w, lane, side);
+      return;
+    }
+  }
+  decode_consumer_loop(p, wk, smem, crew, group, s, w, lane, NoSide{});
+}
+
+// Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together;
+// with p.pair, groups 2k and 2k + 1 form one 2-CTA cluster).
+template <bool kPair>
+DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
+  char* smem = align_smem(smem_raw);
+  const auto crew = crew_setup<kPair, kPair>(smem);
+  const int64_t bid = block_idx();
+  const int group = (int)(bid % p.num_groups);
+  const int64_t rest = bid / p.num_groups;
+  const int s = (int)(rest % p.s_q);
+  const int part = (int)(rest / p.s_q);
+  const DecodeWork wk = decode_work(p, part);
+  const int w = warp_idx(), lane = lane_idx();
+  // (The three warpgroups' budgets must fit the 3 x kLaunchRegs the CTA was launched with: setmaxnreg.inc
+  // beyond that pool blocks for ever.)
+  static_assert(crew.producer_regs + 2 * crew.consumer_regs <= 3 * kLaunchRegs, "setmaxnreg beyond the launch's registers");
+  if (w >= kConsumerWarps) {
+    setmaxnreg_dec<crew.producer_regs>();
+    decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
+  } else {
+    setmaxnreg_inc<crew.consumer_regs>();
+    decode_consumers(p, wk, smem, crew, group, s, w, lane);
+  }
+  crew_teardown(crew);
+}
+
+}  // namespace dsv41

@@ -1,0 +1,46 @@
+// The prefill CTA over bf16 rows (f16 rows on sm_90a: seesaw.cuh).
+#pragma once
+
+#include "consumer.cuh"
+
+namespace dsv41 {
+
+// One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
+// query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
+// max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
+// One CTA per group (the kernel is built with kPair false only): for bf16 rows (no dequantisation) a
+// pair's hand-off costs more than the halved gather saves (benchmarks/RESULTS.md, "cuda pair ablation").
+template <bool kPair>
+DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
+  char* smem = align_smem(smem_raw);
+  const auto crew = crew_setup<kPair, true>(smem);
+  const int64_t bid = block_idx();
+  const int group = (int)(bid % p.num_groups);
+  const int64_t s = bid / p.num_groups;
+  const int w = warp_idx(), lane = lane_idx();
+  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);
+  const int ntiles = (len + kTileTokens - 1) / kTileTokens;
+  if (w >= kConsumerWarps) {
+    setmaxnreg_dec<crew.producer_regs>();
+    int tn = 0;
+    auto next = [&]() -> TileSrc {
+      TileSrc t{s, len, tn * kTileTokens, tn < ntiles, false};
+      tn += tn < ntiles ? 1 : 0;
+      return t;
+    };
+    produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
+  } else {
+    setmaxnreg_inc<crew.consumer_regs>();
+    Acc acc;
+    const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
+    if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
+    acc_reset(acc);
+    consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
+    publish_row_stats(smem, acc, w, lane);
+    write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
+                group_sink(p.sink, group));
+  }
+  crew_teardown(crew);
+}
+
+}  // namespace dsv41
