@@ -160,7 +160,8 @@ def _device_reason() -> str | None:
     """None when the default device is a GPU the kernels are written for (compute capability 9.x / 10.x)."""
     import jax
 
-    from dsv41_jax.backends import CUDA_SPARSE_DSV41, DeviceInfo
+    from dsv41_jax.device import DeviceInfo
+    from dsv41_jax.sparse_mla.capabilities import CUDA_SPARSE_DSV41
 
     backend = jax.default_backend()
     if backend != "gpu":
@@ -181,7 +182,7 @@ def _arch_reason() -> str | None:
         majors = {int(a.rstrip("af")) // 10 for a in archs}
     except ValueError:
         return None
-    from dsv41_jax.backends import DeviceInfo
+    from dsv41_jax.device import DeviceInfo
 
     cc = DeviceInfo.default().compute_capability
     if majors and cc is not None and cc[0] not in majors:

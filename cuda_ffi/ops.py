@@ -29,7 +29,9 @@ import numpy as np
 
 from dsv41_jax.kv_cache import f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
-from dsv41_jax.scheduler import default_num_sms, num_sm_parts_for
+from dsv41_jax.device import default_num_sms
+from dsv41_jax.kv_cache import LATENT_DIM
+from dsv41_jax.scheduler import num_sm_parts_for
 
 __all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES", "MAX_PLANS",
            "decode_supports", "prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "decode",
@@ -38,7 +40,7 @@ __all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP"
 DECODE_TARGET = "dsv41_sparse_mla_decode"
 PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
-HEAD_DIM = 512
+HEAD_DIM = LATENT_DIM  # the latent width the kernels are built for
 GROUP = 64
 FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
 MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)

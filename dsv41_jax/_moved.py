@@ -41,10 +41,20 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return importlib.import_module(MOVED_MODULES[spec.name])
+        module = importlib.import_module(MOVED_MODULES[spec.name])
+        # The import system sets `__spec__` of what this returns to the alias's spec; `exec_module`
+        # puts the module's own spec back, so `__spec__.name` stays its real path.
+        self._own_specs[spec.name] = module.__spec__
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """The new module has run already (`create_module` imported it)."""
+        """The new module has run already (`create_module` imported it); restore its own spec."""
+        alias = module.__spec__.name
+        if alias in self._own_specs:
+            module.__spec__ = self._own_specs.pop(alias)
+
+    def __init__(self) -> None:
+        self._own_specs: dict[str, importlib.machinery.ModuleSpec] = {}
 
 
 _FINDER = _AliasFinder()

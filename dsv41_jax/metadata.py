@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
-from dsv41_jax.layer_types import required_layer_types
+from dsv41_jax.model.layer_types import required_layer_types
 from dsv41_jax.plans import make_plans
 
 __all__ = [

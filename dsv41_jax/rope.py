@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.config import RopeScaling
+from dsv41_jax.model.config import RopeScaling
 
 __all__ = ["inv_frequencies", "cos_sin_cache", "apply_rope", "apply_inverse_rope"]
 

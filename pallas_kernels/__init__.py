@@ -37,14 +37,16 @@ def availability_reason() -> str | None:
     backend = jax.default_backend()
     if backend != "gpu":
         return f"pallas Mosaic GPU kernels need a CUDA GPU (default backend is {backend!r})"
-    dev = jax.devices()[0]
-    cc = getattr(dev, "compute_capability", None)
+    from dsv41_jax.device import DeviceInfo
+
     try:
-        major = int(str(cc).split(".")[0])
-    except ValueError:
-        return f"cannot read the GPU's compute capability ({cc!r})"
+        cc = DeviceInfo.default().compute_capability
+    except (TypeError, ValueError) as e:
+        return f"cannot read the GPU's compute capability ({e})"
+    major = cc[0] if cc is not None else None
     if major not in (9, 10):
-        return f"pallas Mosaic GPU kernels need compute capability 9.x or 10.x, got {cc}"
+        got = "none" if cc is None else f"{cc[0]}.{cc[1]}"
+        return f"pallas Mosaic GPU kernels need compute capability 9.x or 10.x, got {got}"
     return None
 
 

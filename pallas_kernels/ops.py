@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
-from dsv41_jax.scheduler import default_num_sms
+from dsv41_jax.device import default_num_sms
 from pallas_kernels import _interpret
 from pallas_kernels._conversions import to_tile
 from pallas_kernels._kernel import build_kernel

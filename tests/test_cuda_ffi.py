@@ -187,7 +187,7 @@ def test_library_builds_and_exports_handlers(cuda_lib):
 
 
 def test_registration_and_availability_on_cpu(cuda_lib):
-    from dsv41_jax.attention import decode_impls, prefill_impls
+    from dsv41_jax.sparse_mla.implementations import decode_impls, prefill_impls
 
     assert "cuda" in decode_impls() and "cuda" in prefill_impls()
     cuda_ffi.ensure_registered()  # registering FFI targets for CUDA works on a CPU-only jax

@@ -35,3 +35,10 @@ def test_every_listed_path_imports_its_new_home():
 def test_unlisted_path_is_not_answered():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("dsv41_jax._no_such_module")
+
+
+def test_alias_keeps_the_modules_own_spec():
+    import dsv41_jax.backends as old
+    import dsv41_jax.sparse_mla.capabilities as new
+
+    assert old is new and new.__spec__.name == "dsv41_jax.sparse_mla.capabilities"

@@ -210,7 +210,7 @@ def test_lowers_for_cuda(name):
 def test_import_touches_no_gpu():
     # With JAX_PLATFORMS=cuda on a machine without one, any backend initialisation would raise.
     env = dict(os.environ, JAX_PLATFORMS="cuda", PYTHONPATH=ROOT)
-    code = ("import pallas_kernels, dsv41_jax.attention as a; "
+    code = ("import pallas_kernels, dsv41_jax.sparse_mla.implementations as a; "
             "assert 'pallas' in a.decode_impls() and 'pallas' in a.prefill_impls(); print('ok')")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

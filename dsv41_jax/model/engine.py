@@ -46,7 +46,7 @@ from flax import nnx
 
 from dsv41_jax import kv_cache as kvc
 from dsv41_jax import metadata as md
-from dsv41_jax.backends import canonical_kv_cache_dtype
+from dsv41_jax.kv_cache import canonical_kv_cache_dtype
 from dsv41_jax.buckets import DEFAULT_BUCKETS, BucketPolicy
 from dsv41_jax.kv_cache import LATENT_DIM
 from dsv41_jax.model.engine_stats import GenerateStats, StepTiming, WarmupStats

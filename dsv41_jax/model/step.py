@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import attention as _ops
+from dsv41_jax.sparse_mla import api as _ops
 from dsv41_jax import kv_cache as kvc
 from dsv41_jax import metadata as md
 from dsv41_jax import sharding
