@@ -137,6 +137,19 @@ def _run(cmd: list[str], log: list[str], cwd: Path | None = None, env: dict | No
         raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-6000:]}")
 
 
+def _drop_foreign_cache(build_dir: Path, src_dir: Path) -> None:
+    """Empty a build folder that cmake configured from another source folder (cmake refuses to reuse it)."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return
+    for line in cache.read_text(errors="replace").splitlines():
+        if line.startswith("CMAKE_HOME_DIRECTORY:"):
+            home = line.split("=", 1)[-1].strip()
+            if Path(home).resolve() != Path(src_dir).resolve():
+                shutil.rmtree(build_dir)
+            return
+
+
 def _ptxas_report(text: str) -> str:
     """The ptxas -v lines, one block per kernel and architecture, and ptxas's wgmma pipeline messages
     (C75xx: a compiler-inserted warpgroup wait or serialised wgmmas, i.e. tensor-core overlap lost)."""
@@ -195,6 +208,7 @@ def build_library(*, archs: str = DEFAULT_ARCHS, jobs: int | None = None, out_di
     if cmake is None:
         raise BuildError("cmake not found (PATH or `pip install cmake`)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    _drop_foreign_cache(build_dir, src_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
     log: list[str] = []
     t0 = time.time()

@@ -146,3 +146,19 @@ def test_every_ablation_patch_still_applies(tmp_path):
 
     for name, ablation in ABLATIONS.items():
         cbuild.copy_sources(tmp_path / name, ablation.patches)
+
+
+def test_a_build_folder_configured_from_other_sources_is_emptied(tmp_path):
+    from cuda_ffi import build as cbuild
+
+    build_dir, src = tmp_path / "build", tmp_path / "src"
+    build_dir.mkdir()
+    src.mkdir()
+    (build_dir / "stale.o").write_text("x")
+    (build_dir / "CMakeCache.txt").write_text(f"CMAKE_HOME_DIRECTORY:INTERNAL={tmp_path / 'old'}\n")
+    cbuild._drop_foreign_cache(build_dir, src)
+    assert not build_dir.exists()
+    build_dir.mkdir()
+    (build_dir / "CMakeCache.txt").write_text(f"CMAKE_HOME_DIRECTORY:INTERNAL={src}\n")
+    cbuild._drop_foreign_cache(build_dir, src)
+    assert (build_dir / "CMakeCache.txt").exists()
