@@ -14,7 +14,7 @@
 #   pallas-ncu    Nsight Compute over one pallas kernel call per case ($NCU_CASES): report, details page,
 #                 per-instruction SASS page, log and a bench folder per case: point OUT elsewhere and
 #                 copy what you need (the device tool returns at most 8 files)
-#   model-tests   tests/test_model.py with impl=auto on the GPU
+#   model-tests   tests/model/test_engine.py with impl=auto on the GPU
 #   bench         python -m benchmarks.sparse_mla --quick (every available impl, or $BENCH_IMPLS; $BENCH_FLAGS
 #                 adds flags, e.g. --breakdown: each kernel's CUPTI time)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
@@ -86,7 +86,7 @@ for s in "${stages[@]}"; do
     pallas-ncu) ncu_cases pallas sparse_mla_kernel pncu sass sass "|Shared Memory" ;;
     install-tests) run timeout 560 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_install_gpu.py 2>&1 | tee "$OUT/install_tests.log" | tail -40 ;;
     pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
-    model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
+    model-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider tests/model/test_engine.py 2>&1 | tee "$OUT/model_tests.log" | tail -15 ;;
     bench) run timeout 420 $PY -m benchmarks.sparse_mla --quick ${BENCH_IMPLS:+--impls $BENCH_IMPLS} ${BENCH_FLAGS:-} --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
     bench-rows) for rows in bf16 f16; do echo "--- prefill kv rows: $rows"
         DSV41_CUDA_PREFILL_ROWS=$rows run timeout 300 $PY -m benchmarks.sparse_mla --impls cuda --cases "${ROWS_CASES:-prefill_h128_topk2048}" \
