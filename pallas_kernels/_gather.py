@@ -9,7 +9,7 @@ cannot run it, so the kernel keeps a Pallas-level formulation for interpret mode
 
 Work split: warp `w` of the memory warpgroup takes tokens w, w + 4, ..., w + 60; per token its 32
 lanes copy consecutive 16-byte chunks (one coalesced 512 B request per instruction). Each lane
-reads the token's source (byte offset / row number, -1 masked) itself from global memory (fp8:
+reads the token's source (record index in 576-byte units / row number, -1 masked) itself from global memory (fp8:
 lane l loads token w + 4 (l % 16)'s and the warp shuffles them). Masked tokens copy with source
 size 0, which zero-fills the destination (required: the destination feeds a wgmma unselected, so
 a masked row must be 0, never stale or NaN).
@@ -36,7 +36,7 @@ from jax.experimental.mosaic.gpu import utils as mgu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
-from pallas_kernels._spec import HALF, SWIZZLE, TILE, T
+from pallas_kernels._spec import FP8_RECORD, HALF, SWIZZLE, TILE, T
 
 __all__ = ["issue_block", "wait_groups", "bf16_to_f16_in_place"]
 
@@ -171,10 +171,16 @@ def _wait(pending: int):
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {pending};", "", has_side_effects=True)
 
 
-def _entry(cache64, valid, off):
-    """Global address `cache64 + off` of an entry's bytes; the cache's start when masked (never read:
-    its copies are zero-filled or predicated off)."""
-    return arith.addi(cache64, arith.select(valid, arith.extsi(ir.IntegerType.get_signless(64), off), _i64(0)))
+def _record(cache64, valid, unit):
+    """Global address of the fp8_ds_mla record of index `unit` (576-byte units, 64-bit arithmetic: any
+    cache size); the cache's start when masked (never read: its copies are zero-filled or predicated off)."""
+    i64 = ir.IntegerType.get_signless(64)
+    return arith.addi(cache64, arith.muli(arith.select(valid, arith.extsi(i64, unit), _i64(0)), _i64(FP8_RECORD)))
+
+
+def _past(addr64, valid, delta):
+    """`addr64 + delta` (a small int32 byte distance), or `addr64` when masked."""
+    return arith.addi(addr64, arith.select(valid, arith.extsi(ir.IntegerType.get_signless(64), delta), _i64(0)))
 
 
 def issue_block(kv_format: str, f16: bool = False):
@@ -182,8 +188,8 @@ def issue_block(kv_format: str, f16: bool = False):
 
     cache: the pool's GMEM operand (fp8_ds_mla: uint8 bytes; bf16: [rows, 512]); src_blk: int32
     [64], this block's sources; dst: the K buffer [2, 64, 256]; idx_dst: int32 [64] SMEM. fp8_refs
-    (fp8_ds_mla): the block's scale-byte offsets int32 [64] (GMEM), scale_dst uint8 [64, 8] (SMEM),
-    and the next block's sources and scale-byte offsets (GMEM, for the L2 prefetch). `f16`: the K
+    (fp8_ds_mla): the block's scale bytes' distances from their records int32 [64] (GMEM), scale_dst
+    uint8 [64, 8] (SMEM), and the next block's sources and scale distances (GMEM, for the L2 prefetch). `f16`: the K
     tile holds float16 (fp8 records and their RoPE values are converted to f16; bf16 row pools are
     copied as they are, so the caller gives f16 rows).
     """
@@ -325,26 +331,26 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         off = _shfl(offs, _i32(k))
         valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
         nbytes = arith.select(valid, _i32(16), _i32(0))
-        g = _entry(cache64, valid, off)
+        g = _record(cache64, valid, off)
         _cp16(_row_at(dst_base, k), arith.addi(g, lane16_64), nbytes)
         _cp16_if(tail, _row_at(tail_base, k), arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
         soff = _shfl(soffs, _i32(k))
         # 8 B (0 read when masked: zero-filled)
         _if(lane4, "cp.async.ca.shared.global [$1], [$2], 8, $3;",
-            [arith.addi(sc_row, _i32(32 * k)), _entry(cache64, valid, soff), arith.select(valid, _i32(8), _i32(0))],
+            [arith.addi(sc_row, _i32(32 * k)), _past(g, valid, soff), arith.select(valid, _i32(8), _i32(0))],
             "r,l,r")
         if k % per == per - 1:
             _commit()
     # the next block's records into L2 (5 lines of 128 B each): lanes 0..15 lines 0..2, 16..31 lines 3..4
     nvalid = arith.cmpi(arith.CmpIPredicate.sge, noffs, _i32(0))
-    nbase = _entry(cache64, nvalid, noffs)
+    nbase = _record(cache64, nvalid, noffs)
     lower = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16))
     for line in range(3):
         ok = nvalid if line < 2 else arith.andi(nvalid, lower)
         off_b = arith.select(lower, _i64(128 * line), _i64(128 * (3 + line)))
         _if(arith.extui(i32, ok), "prefetch.global.L2 [$1];", [arith.addi(nbase, off_b)], "l")
     # and its scale bytes (8 of them, never across a line): lanes 0..15
-    _if(arith.extui(i32, arith.andi(nvalid, lower)), "prefetch.global.L2 [$1];", [_entry(cache64, nvalid, nsoffs)], "l")
+    _if(arith.extui(i32, arith.andi(nvalid, lower)), "prefetch.global.L2 [$1];", [_past(nbase, nvalid, nsoffs)], "l")
 
     half = arith.shrui(lane, _i32(1))
     sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))  # the lane's 8 bytes within the 16-byte chunk

@@ -2,7 +2,7 @@
 
 A *row* is one query token (decode: one (request, s_q) pair; prefill: one query). Each row attends
 over the union of up to two token *pools* (decode: the main and the extra cache; prefill: `kv`),
-each given per row as a list of byte offsets / row numbers (-1 = masked) prepared by `ops.py`.
+each given per row as a list of record indices / row numbers (-1 = masked) prepared by `ops.py`.
 
 Program (CTA) = (row, split, 64-head group), a 1-D grid (rows may exceed 65535); heads are padded
 to a multiple of 64 by the caller (the wgmma M is 64). Three warpgroups (Pallas "threads", "wg"),
@@ -180,9 +180,9 @@ def build_kernel(spec: KernelSpec):
 
     q: `spec.dtype` bits [R, Hp, 512] (bf16 values); counts: int32 [R, n_pools] (64-token blocks
     per row and pool); sink: f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8
-    [bytes]; bf16: `spec.dtype` [rows, 512]), src int32 [R, kpad] (byte offset of the record / row
-    number, -1 = masked), and for fp8 pools the scales: with `spec.scale_offsets` the byte offsets
-    int32 [R, kpad] of the entries' 8 UE8M0 bytes, else f32 [R, kpad / 64, 8, 64] (per block, group
+    [bytes]; bf16: `spec.dtype` [rows, 512]), src int32 [R, kpad] (index of the record in 576-byte
+    units / row number, -1 = masked), and for fp8 pools the scales: with `spec.scale_offsets` the bytes
+    from each record to its 8 UE8M0 bytes, int32 [R, kpad], else f32 [R, kpad / 64, 8, 64] (per block, group
     g of the 7 NoPE groups (row 7 unused) and token: 2^(e - 127) of the entry's UE8M0 byte; 0 when
     masked). Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp];
     split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].

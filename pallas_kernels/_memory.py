@@ -72,7 +72,7 @@ def fill_interpret(prog: Program, j, b, cache, src, scales, fp8: bool):
         @pl.when(off >= 0)
         def _copy():
             if fp8:
-                plgpu.copy_gmem_to_smem(cache.at[pl.ds(off, FP8_RECORD)], s.stage.at[i, pl.ds(0, FP8_RECORD)], s.ibar)
+                plgpu.copy_gmem_to_smem(cache.at[pl.ds(off * FP8_RECORD, FP8_RECORD)], s.stage.at[i, pl.ds(0, FP8_RECORD)], s.ibar)
                 plgpu.barrier_arrive(s.ibar)
             else:
                 for h in range(2):

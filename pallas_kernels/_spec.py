@@ -102,7 +102,7 @@ class KernelSpec:
 
     @property
     def scale_offsets(self) -> bool:
-        """fp8 scale operands are byte offsets of the UE8M0 bytes (GPU), not f32 factor rows."""
+        """fp8 scale operands locate the UE8M0 bytes (GPU: bytes past the record), not f32 factor rows."""
         return self.has_fp8 and fp8_scale_offsets(self.interpret)
 
     @property
@@ -114,7 +114,7 @@ class KernelSpec:
 
 
 def fp8_scale_offsets(interpret: bool) -> bool:
-    """Whether fp8 pools take scale byte offsets (the GPU kernel reads the UE8M0 bytes itself) or
+    """Whether fp8 pools take scale locations (the GPU kernel reads the UE8M0 bytes itself) or
     f32 factor rows (the interpreter's Pallas-level dequantization). `ops` asks before it builds
     the operands, `KernelSpec.scale_offsets` after."""
     return not interpret

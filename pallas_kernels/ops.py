@@ -1,11 +1,13 @@
 """`impl="pallas"` sparse MLA decode and prefill: operand preparation, kernel call, split combine.
 
 The XLA side only touches indices and per-entry metadata, never the KV data:
-- per pool and selected entry, the source of the token in the cache -- the byte offset of its
-  fp8_ds_mla record (`block * page_bytes + offset * 576`) or its bf16 row (the global slot) --
-  or -1 when the entry is masked (index < 0, index >= capacity, or position >= topk_length);
+- per pool and selected entry, the source of the token in the cache -- the index of its
+  fp8_ds_mla record in 576-byte units (`block * page_bytes / 576 + offset`; a page is a whole
+  number of records) or its bf16 row (the global slot) -- or -1 when the entry is masked (index < 0,
+  index >= capacity, or position >= topk_length); sources stay int32 for caches of any size and the
+  kernel forms 64-bit addresses;
 - for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad): on the GPU their
-  byte offsets, read by the kernel itself; for the interpreter one 8-byte gather per entry,
+  distance in bytes from the record, read by the kernel itself; for the interpreter one 8-byte gather per entry,
   turned into the factors 2^(e - 127) as f32 laid out [row, block, group, token], so the kernel
   loads one group's per-token factors as one row vector; masked entries read nothing and get 0
   (-1 offsets);
@@ -83,18 +85,18 @@ def unsupported_reason(kv_format: str, cache) -> str | None:
     """Why the kernels cannot read this cache, or None."""
     if kv_format not in KV_FORMATS:
         return f"the pallas kernels read kv formats {list(KV_FORMATS)}, not {kv_format!r} (use impl='xla')"
-    if kv_format == "fp8_ds_mla" and cache.size >= 2**31 - 4096:
-        return "fp8_ds_mla caches of 2 GiB or more are not supported by the pallas kernels (int32 byte offsets)"
     return None
 
 
 def pool_operands(cache, kv_format: str, block_size: int, idx, lens, scale_offsets: bool = False):
     """(operands, PoolSpec, blocks per row) of one pool. idx int32 [R, K]; lens int32 [R].
 
-    Operands: the cache view, the sources src int32 [R, kpad] (fp8: the record's byte offset; bf16:
-    the row; -1 masked) and, for fp8 pools, the scale factors: f32 [R, kpad / 64, 8, 64] (2^(e - 127)
-    per block, group, token: the interpreter), or with `scale_offsets` (the GPU kernel, which reads
-    the 8 UE8M0 bytes itself) their byte offsets int32 [R, kpad] (-1 masked)."""
+    Operands: the cache view, the sources src int32 [R, kpad] (fp8: the record's index in 576-byte
+    units; bf16: the row; -1 masked) and, for fp8 pools, the scale factors: f32 [R, kpad / 64, 8, 64]
+    (2^(e - 127) per block, group, token: the interpreter), or with `scale_offsets` (the GPU kernel,
+    which reads the 8 UE8M0 bytes itself) the bytes from the record to them, int32 [R, kpad] (-1
+    masked). Every source is int32 and every address the kernel forms is 64-bit, so caches of any size
+    are read."""
     R, K = idx.shape
     kpad = max(_cdiv(K, T), 1) * T
     cap = kvc.cache_capacity(cache, kv_format, block_size)
@@ -109,15 +111,18 @@ def pool_operands(cache, kv_format: str, block_size: int, idx, lens, scale_offse
         pb = kvc.page_bytes(kv_format, block_size)
         view = cache.reshape(-1)
         blk, t = safe // block_size, safe % block_size
-        src = jnp.where(valid, blk * pb + t * FP8_RECORD, -1)
-        scale_at = blk * pb + block_size * FP8_RECORD + t * 8  # the entry's 8 UE8M0 bytes
+        # Record units (576 B; a page is a whole number of them) keep every cache below 1.2 TB in int32;
+        # the kernels form the 64-bit byte address.
+        src = jnp.where(valid, blk * (pb // FP8_RECORD) + t, -1)
         if scale_offsets:
-            ssrc = jnp.where(valid, scale_at, -1)
+            # the entry's 8 UE8M0 bytes, as bytes past its record (small, whatever the cache's size)
+            ssrc = jnp.where(valid, (block_size - t) * FP8_RECORD + t * 8, -1)
             extra = (jnp.pad(ssrc, ((0, 0), (0, kpad - K)), constant_values=-1).astype(jnp.int32),)
         else:
             rows8 = cache.reshape(-1, 8)
+            scale_row = blk * (pb // 8) + block_size * (FP8_RECORD // 8) + t  # in 8-byte rows
             # one 8-byte gather per entry; masked entries index past the end and read nothing (fill 0)
-            sc = rows8.at[jnp.where(valid, scale_at // 8, rows8.shape[0])].get(mode="fill", fill_value=0)
+            sc = rows8.at[jnp.where(valid, scale_row, rows8.shape[0])].get(mode="fill", fill_value=0)
             sc = jnp.pad(sc, ((0, 0), (0, kpad - K), (0, 0)))  # [R, kpad, 8] uint8
             # 2^(e - 127) as f32 (e = 0 -> 0), laid out [R, block, group, token] for per-token row loads
             sf = jax.lax.bitcast_convert_type(sc.astype(jnp.int32) << 23, jnp.float32)

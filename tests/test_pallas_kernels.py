@@ -326,11 +326,11 @@ def test_fp8_scale_factor_operand():
                 assert src[r, k] == -1 and not got.any(), (r, k)
                 continue
             blk, t = divmod(int(i), bs)
-            assert src[r, k] == blk * pb + t * 576
+            assert src[r, k] * 576 == blk * pb + t * 576  # the record's index in 576-byte units
             e = cache[blk, bs * 576 + t * 8: bs * 576 + t * 8 + 8].astype(np.int64)
             want = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)
             np.testing.assert_array_equal(got, want, err_msg=f"row {r} entry {k}")
-    # the GPU direct kernel's form: byte offsets of the same 8 bytes in the cache view, -1 masked
+    # the GPU kernel's form: the same 8 bytes located as bytes past the record, -1 masked
     ops2, _, _ = _ops.pool_operands(jnp.asarray(cache), "fp8_ds_mla", bs, jnp.asarray(idx), jnp.asarray(lens),
                                     scale_offsets=True)
     view2, src2, ssrc = (np.asarray(x) for x in ops2)
@@ -341,7 +341,8 @@ def test_fp8_scale_factor_operand():
             if src[r, k] < 0:
                 assert ssrc[r, k] == -1, (r, k)
             else:
-                got8 = view2[ssrc[r, k]: ssrc[r, k] + 8]
+                at = src[r, k] * 576 + ssrc[r, k]
+                got8 = view2[at: at + 8]
                 np.testing.assert_array_equal(np.where(got8 == 0, 0.0, np.ldexp(1.0, got8.astype(np.int64) - 127)),
                                               sf[r, k // 64, :, k % 64], err_msg=f"row {r} entry {k}")
 
@@ -359,3 +360,55 @@ def test_interpret_matches_oracle(name, interpret_worker):
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     sys.path.insert(0, ROOT)
     _worker([n for n in sys.argv[2].split(",") if n])
+
+
+@pytest.mark.parametrize("gib", [3, 40])
+def test_lowers_for_cuda_with_caches_past_2_gib(gib):
+    """Sources are int32 record indices and the kernel's addresses 64-bit: an fp8_ds_mla main cache and
+    extra cache of `gib` GiB each lower for cuda (shape structs: nothing is allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    import dsv41_jax as d
+    from dsv41_jax import kv_cache
+    from pallas_kernels import _interpret
+    from pallas_kernels import ops as pops
+
+    pb = kv_cache.page_bytes("fp8_ds_mla", 64)
+    num_blocks = -(-(gib << 30) // pb)
+    cache = jax.ShapeDtypeStruct((num_blocks, pb), jnp.uint8)
+    assert pops.unsupported_reason("fp8_ds_mla", cache) is None
+    args = (jax.ShapeDtypeStruct((2, 2, 64, 512), jnp.bfloat16), cache, jax.ShapeDtypeStruct((2, 2, 128), jnp.int32),
+            jax.ShapeDtypeStruct((2,), jnp.int32))
+    kw = dict(kv_format="fp8_ds_mla", block_size=64, softmax_scale=0.04, extra_kv_format="fp8_ds_mla",
+              extra_block_size=64, impl="pallas")
+
+    def f(q, c, idx, lens, ec, eidx, elens):
+        return d.sparse_mla_decode(q, c, idx, lens, extra_kv_cache=ec, extra_indices=eidx, extra_topk_length=elens, **kw)
+
+    with _interpret.gpu_mode():
+        text = jax.jit(f).trace(*args, cache, jax.ShapeDtypeStruct((2, 2, 64), jnp.int32),
+                                jax.ShapeDtypeStruct((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_fp8_sources_are_record_indices():
+    """The GPU operands of an fp8_ds_mla pool: the record's index in 576-byte units and the distance in
+    bytes to its scale bytes, both int32 and small whatever the cache's size; -1 where masked."""
+    import jax.numpy as jnp
+
+    from dsv41_jax import kv_cache
+    from pallas_kernels import ops as pops
+
+    bs = 64
+    pb = kv_cache.page_bytes("fp8_ds_mla", bs)
+    cache = jnp.zeros((5, pb), jnp.uint8)
+    idx = jnp.array([[0, 1, 63, 64, 4 * 64 + 7, -1, 5 * 64]], jnp.int32)
+    (view, src, sdelta), spec, nblk = pops.pool_operands(cache, "fp8_ds_mla", bs, idx, jnp.array([7]),
+                                                         scale_offsets=True)
+    blk, t = np.array([0, 0, 0, 1, 4]), np.array([0, 1, 63, 0, 7])
+    rec_bytes = blk * pb + t * 576
+    assert (np.asarray(src)[0, :5] * 576 == rec_bytes).all() and (np.asarray(src)[0, 5:] == -1).all()
+    scale_bytes = blk * pb + bs * 576 + t * 8
+    assert (np.asarray(src)[0, :5] * 576 + np.asarray(sdelta)[0, :5] == scale_bytes).all()
+    assert (np.asarray(sdelta)[0, 5:7] == -1).all()

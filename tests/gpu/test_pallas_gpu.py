@@ -179,3 +179,42 @@ def test_plan_and_batch_invariance():
     part = f(q[perm], idx[perm], tl[perm], kw["extra_indices"][perm], kw["extra_topk_length"][perm])
     for x, y in zip(full, part):
         np.testing.assert_array_equal(np.asarray(x, np.float32)[perm], np.asarray(y, np.float32))
+
+
+def test_decode_reads_a_cache_past_4_gib():
+    """A 4.5 GiB fp8_ds_mla cache, poisoned with 0xFF bytes (NaN records, huge scales) except the rows
+    written; the selected slots lie beyond 2^31 and 2^32 bytes (and a few at the start, some masked).
+    The pallas decode matches the reference and stays finite."""
+    import jax.numpy as jnp
+
+    from dsv41_jax import kv_cache
+
+    bs, b, s_q, h_q, topk = 64, 2, 2, 64, 128
+    pb = kv_cache.page_bytes("fp8_ds_mla", bs)
+    num_blocks = -(-(9 << 29) // pb)
+    rng = np.random.default_rng(45)
+    first_high = -(-(2**31) // pb) + 1
+    high = rng.choice(np.arange(first_high * bs, num_blocks * bs), size=b * s_q * topk - 64, replace=False)
+    low = rng.choice(np.arange(0, 4 * bs), size=64, replace=False)
+    slots = np.concatenate([high, low]).astype(np.int32)
+    assert int(high.min()) // bs * pb >= 2**31 and int(high.max()) // bs * pb >= 2**32
+    kv = rng.standard_normal((slots.size, 512), np.float32) * np.exp(rng.uniform(-1, 1, (slots.size, 1)))
+    cache = jnp.full((num_blocks, pb), 0xFF, jnp.uint8)
+    insert = jax.jit(lambda c, x, s: kv_cache.insert(c, x, s, kv_format="fp8_ds_mla", block_size=bs), donate_argnums=0)
+    cache = insert(cache, jnp.asarray(kv, jnp.bfloat16), jnp.asarray(slots))
+    idx = rng.permutation(slots).reshape(b, s_q, topk)
+    idx[:, :, rng.choice(topk, 9, replace=False)] = -1  # masked entries too
+    q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 512), np.float32), jnp.bfloat16)
+    lens = jnp.array([topk, topk - 37], jnp.int32)
+    sink = jnp.asarray(rng.standard_normal(h_q), jnp.float32)
+    kw = dict(kv_format="fp8_ds_mla", block_size=bs, softmax_scale=512 ** -0.5, attn_sink=sink)
+
+    def run(impl):
+        f = jax.jit(lambda *a: sparse_mla_decode(*a, impl=impl, **kw))
+        return jax.block_until_ready(f(q, cache, jnp.asarray(idx), lens))
+
+    out, lse = run("pallas")
+    r_out, r_lse = run("xla")
+    assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+    assert_close(out, np.asarray(r_out, np.float32), "decode_out", "out")
+    assert_close(lse, np.asarray(r_lse), "decode_lse", "lse")
