@@ -15,7 +15,7 @@ def filled_cache(key, n_tokens: int, block_size: int, fmt: str) -> tuple[jax.Arr
     """A cache of ceil(n_tokens / block_size) pages, every slot holding a random N(0, 1) latent; and its capacity."""
     nb = -(-n_tokens // block_size)
     rows = jax.random.normal(key, (nb * block_size, 512), jnp.float32).astype(jnp.bfloat16)
-    fill = jax.jit(lambda c, r: kvc.insert(c, r, jnp.arange(nb * block_size, dtype=jnp.int32), fmt=fmt,
+    fill = jax.jit(lambda c, r: kvc.insert(c, r, jnp.arange(nb * block_size, dtype=jnp.int32), kv_format=fmt,
                                            block_size=block_size), donate_argnums=0)
     return fill(kvc.allocate(nb, block_size, fmt), rows), nb * block_size
 

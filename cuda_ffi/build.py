@@ -243,10 +243,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv41_jax" / "cuda"
 
 
-@functools.lru_cache(maxsize=None)
 def source_key(archs: str = DEFAULT_ARCHS, src_dir: Path = CSRC) -> str:
     """16 hex digits of the library's sources (csrc/, or a patched copy), the archs and the jax version
-    (whose FFI headers it compiles against)."""
+    (whose FFI headers it compiles against). A patched copy is hashed again on every call: its folder
+    may be rewritten between builds."""
+    if Path(src_dir) == CSRC:
+        return _package_source_key(archs)
+    return _hash_sources(archs, Path(src_dir))
+
+
+@functools.lru_cache(maxsize=None)
+def _package_source_key(archs: str) -> str:
+    return _hash_sources(archs, CSRC)
+
+
+def _hash_sources(archs: str, src_dir: Path) -> str:
     import jax
 
     h = hashlib.sha256(f"{archs}\0{jax.__version__}\0".encode())

@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41_jax.kv_cache import f16_rows_pay, to_f16_saturating
-from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
+from dsv41_jax import kv_cache as kvc
 from dsv41_jax.device import default_num_sms
-from dsv41_jax.kv_cache import LATENT_DIM
+from dsv41_jax.kv_cache import LATENT_DIM, f16_rows_pay, to_f16_saturating
+from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import num_sm_parts_for
 
 __all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES", "MAX_PLANS",
@@ -65,7 +65,7 @@ def _check_cache(name: str, cache: Any, kv_format: str, bs: int) -> None:
             raise ValueError(f"cuda: {name} (bf16) must be [num_blocks, {bs}, {HEAD_DIM}], got {tuple(cache.shape)}")
     else:
         _require(name, cache, dtype=jnp.uint8, ndim=2)
-        pb = -(-bs * 584 // 576) * 576
+        pb = kvc.page_bytes("fp8_ds_mla", bs)
         if cache.shape[1] != pb:
             raise ValueError(f"cuda: {name} (fp8_ds_mla, block_size {bs}) must be uint8[num_blocks, {pb}], "
                              f"got {tuple(cache.shape)}")

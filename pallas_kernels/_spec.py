@@ -81,10 +81,6 @@ class KernelSpec:
         return any(p.fp8 for p in self.pools)
 
     @property
-    def has_bf16(self) -> bool:
-        return any(not p.fp8 for p in self.pools)
-
-    @property
     def registers(self) -> tuple[int, int]:
         """(memory, compute) registers per thread for `setmaxnreg`.
 

@@ -85,6 +85,9 @@ def unsupported_reason(kv_format: str, cache) -> str | None:
     """Why the kernels cannot read this cache, or None."""
     if kv_format not in KV_FORMATS:
         return f"the pallas kernels read kv formats {list(KV_FORMATS)}, not {kv_format!r} (use impl='xla')"
+    if kv_format == "fp8_ds_mla" and _interpret.active() and cache.size >= 2**31 - 4096:
+        # the interpreter addresses records and scale rows with int32 byte arithmetic; the GPU kernel does not
+        return "in interpret mode the pallas kernels read fp8_ds_mla caches below 2 GiB (int32 byte offsets)"
     return None
 
 

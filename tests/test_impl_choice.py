@@ -114,8 +114,11 @@ def test_explain_a_large_cache_without_allocating_it(gpu):
                                        softmax_scale=0.04)
         return q
 
-    jax.eval_shape(ask, jax.ShapeDtypeStruct((2, 1, 64, 512), jnp.bfloat16),
-                   jax.ShapeDtypeStruct((num_blocks, pb), jnp.uint8), jax.ShapeDtypeStruct((2, 1, 64), jnp.int32))
+    from pallas_kernels import _interpret
+
+    with _interpret.gpu_mode():  # the kernels as a GPU traces them (the interpreter keeps a 2 GiB limit)
+        jax.eval_shape(ask, jax.ShapeDtypeStruct((2, 1, 64, 512), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((num_blocks, pb), jnp.uint8), jax.ShapeDtypeStruct((2, 1, 64), jnp.int32))
     choice = got["choice"]
     assert choice.impl == "pallas", choice
     assert choice.candidates[1].accepted

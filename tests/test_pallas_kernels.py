@@ -377,7 +377,6 @@ def test_lowers_for_cuda_with_caches_past_2_gib(gib):
     pb = kv_cache.page_bytes("fp8_ds_mla", 64)
     num_blocks = -(-(gib << 30) // pb)
     cache = jax.ShapeDtypeStruct((num_blocks, pb), jnp.uint8)
-    assert pops.unsupported_reason("fp8_ds_mla", cache) is None
     args = (jax.ShapeDtypeStruct((2, 2, 64, 512), jnp.bfloat16), cache, jax.ShapeDtypeStruct((2, 2, 128), jnp.int32),
             jax.ShapeDtypeStruct((2,), jnp.int32))
     kw = dict(kv_format="fp8_ds_mla", block_size=64, softmax_scale=0.04, extra_kv_format="fp8_ds_mla",
@@ -387,6 +386,7 @@ def test_lowers_for_cuda_with_caches_past_2_gib(gib):
         return d.sparse_mla_decode(q, c, idx, lens, extra_kv_cache=ec, extra_indices=eidx, extra_topk_length=elens, **kw)
 
     with _interpret.gpu_mode():
+        assert pops.unsupported_reason("fp8_ds_mla", cache) is None
         text = jax.jit(f).trace(*args, cache, jax.ShapeDtypeStruct((2, 2, 64), jnp.int32),
                                 jax.ShapeDtypeStruct((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -412,3 +412,19 @@ def test_fp8_sources_are_record_indices():
     scale_bytes = blk * pb + bs * 576 + t * 8
     assert (np.asarray(src)[0, :5] * 576 + np.asarray(sdelta)[0, :5] == scale_bytes).all()
     assert (np.asarray(sdelta)[0, 5:7] == -1).all()
+
+
+def test_interpret_mode_refuses_fp8_caches_it_cannot_address():
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import kv_cache
+    from pallas_kernels import _interpret
+    from pallas_kernels import ops as pops
+
+    pb = kv_cache.page_bytes("fp8_ds_mla", 64)
+    big = jax.ShapeDtypeStruct((-(-(3 << 30) // pb), pb), jnp.uint8)
+    with _interpret.gpu_mode():
+        assert pops.unsupported_reason("fp8_ds_mla", big) is None  # the GPU kernel: 64-bit addresses
+    with _interpret.interpret_mode():
+        assert "interpret mode" in pops.unsupported_reason("fp8_ds_mla", big)

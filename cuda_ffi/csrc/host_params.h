@@ -1,5 +1,5 @@
 // Argument checking and kernel-parameter building, shared by the XLA FFI handlers (ffi.cu)
-// and the host emulator (emu_main.cc): both hand in plain tensor views, so the CPU tests
+// and the host emulator (tests/cuda_emulator/emu_main.cc): both hand in plain tensor views, so the CPU tests
 // exercise exactly the checks the GPU path runs. Every failed check returns a message naming
 // the argument, the expected and the actual value; success returns "".
 #pragma once

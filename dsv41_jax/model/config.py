@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dsv41_jax.kv_cache import LATENT_DIM
+from dsv41_jax.kv_cache import LATENT_DIM, NOPE_DIM, ROPE_DIM
 from dsv41_jax.model.hf_config import TEXT_CONFIG, HFConfigKeys, KeyRecorder, resolve_hf_config
 from dsv41_jax.model.layer_types import deepseek_v40_layer_type, deepseek_v41_layer_type
 
@@ -40,8 +40,6 @@ __all__ = [
 _log = logging.getLogger("dsv41_jax.config")  # the name users configure, whatever the module path
 
 HEAD_DIM = LATENT_DIM  # q and k heads are the MLA latent: NoPE + RoPE dims
-ROPE_DIM = 64
-NOPE_DIM = HEAD_DIM - ROPE_DIM
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,7 +160,7 @@ class StepContext:
     def write_swa(self, caches: dict, role: LayerRole, kv: jax.Array) -> dict:
         """Write the layer's RoPE'd SWA latents bf16 `[T, 512]` at the step's slot mapping."""
         ecfg = self.engine_config
-        swa = kvc.insert(caches["swa"][str(role.layer_id)], kv, self.common.slot_mapping, fmt=ecfg.kv_format,
+        swa = kvc.insert(caches["swa"][str(role.layer_id)], kv, self.common.slot_mapping, kv_format=ecfg.kv_format,
                          block_size=ecfg.block_size)
         return _with_entry(caches, "swa", role, swa)
 
@@ -180,7 +180,7 @@ class StepContext:
         group_pos = (self.token_positions.pos // ratio) * ratio
         main = apply_rope(latent, group_pos, cos_sin).astype(jnp.bfloat16)
         slots = self.comp_slots[ratio]
-        comp = kvc.insert(caches["comp"][layer], main, slots, fmt=ecfg.comp_format, block_size=ecfg.comp_block_size)
+        comp = kvc.insert(caches["comp"][layer], main, slots, kv_format=ecfg.comp_format, block_size=ecfg.comp_block_size)
         caches = _with_entry(caches, "comp", role, comp)
         ikey = _scatter_rows(caches["ikey"][layer], slots, index_keys(attn, latent, group_pos, cos_sin))
         return _with_entry(caches, "ikey", role, ikey)
@@ -238,9 +238,9 @@ class StepContext:
             swa_block_size=ecfg.block_size, compress_ratio=ratio, states_per_page=ecfg.comp_block_size)
         parts = []
         if num_comp:
-            parts.append(kvc.gather(caches["comp"][str(role.kv_source_layer)], comp_slots, fmt=ecfg.comp_format,
+            parts.append(kvc.gather(caches["comp"][str(role.kv_source_layer)], comp_slots, kv_format=ecfg.comp_format,
                                     block_size=ecfg.comp_block_size))
-        parts.append(kvc.gather(caches["swa"][str(role.layer_id)], swa_slots, fmt=ecfg.kv_format,
+        parts.append(kvc.gather(caches["swa"][str(role.layer_id)], swa_slots, kv_format=ecfg.kv_format,
                                 block_size=ecfg.block_size))
         workspace = jnp.concatenate(parts, axis=1).reshape(num_reqs * rows_per_req, LATENT_DIM)
         local_topk = topk if ratio else jnp.zeros((self.num_tokens, 0), jnp.int32)
