@@ -158,21 +158,11 @@ def _missing_reason() -> str:
 
 def _device_reason() -> str | None:
     """None when the default device is a GPU the kernels are written for (compute capability 9.x / 10.x)."""
-    import jax
-
-    from dsv41_jax.device import DeviceInfo
+    from dsv41_jax.device import gpu_unsupported_reason
     from dsv41_jax.sparse_mla.capabilities import CUDA_SPARSE_DSV41
 
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return f"cuda_ffi: the default JAX backend is {backend!r}, not 'gpu'"
-    try:
-        cc = DeviceInfo.default().compute_capability
-    except (TypeError, ValueError) as e:
-        return f"cuda_ffi: cannot read the compute capability of {jax.devices()[0]}: {e}"
-    if cc is None or cc[0] not in CUDA_SPARSE_DSV41.compute_capability_majors:
-        return f"cuda_ffi: kernels are written for sm_90a / sm_100a; the device has compute capability {cc}"
-    return None
+    why = gpu_unsupported_reason(CUDA_SPARSE_DSV41.compute_capability_majors)
+    return None if why is None else f"cuda_ffi: the kernels are written for sm_90a / sm_100a: {why}"
 
 
 def _arch_reason() -> str | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DeviceInfo", "parse_compute_capability", "default_num_sms", "DEFAULT_NUM_SMS"]
+__all__ = ["DeviceInfo", "parse_compute_capability", "default_num_sms", "DEFAULT_NUM_SMS", "gpu_unsupported_reason"]
 
 DEFAULT_NUM_SMS = 132  # H100 / H200: the SM count split plans assume without a GPU to ask
 
@@ -87,3 +87,21 @@ def default_num_sms() -> int:
     if info.platform == "cuda" and info.num_sms is not None and info.num_sms > 0:
         return info.num_sms
     return DEFAULT_NUM_SMS
+
+
+def gpu_unsupported_reason(majors: tuple[int, ...]) -> str | None:
+    """None when jax's default device is a CUDA GPU whose compute-capability major is in `majors`, else why
+    not (the availability probe of the GPU kernels, and of `python -m dsv41_jax.info`)."""
+    import jax
+
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return f"the default JAX backend is {backend!r}, not 'gpu'"
+    try:
+        cc = DeviceInfo.default().compute_capability
+    except (TypeError, ValueError) as e:
+        return f"cannot read the GPU's compute capability: {e}"
+    if cc is None or cc[0] not in majors:
+        got = "none" if cc is None else f"{cc[0]}.{cc[1]}"
+        return f"the GPU's compute capability is {got}, not {' or '.join(f'{m}.x' for m in majors)}"
+    return None

@@ -100,15 +100,13 @@ def _devices() -> tuple[str, tuple[DeviceSummary, ...], str | None]:
 
 def _gpu_suitable() -> bool:
     """Whether the default device is a GPU the pallas and cuda kernels are written for."""
-    from dsv41_jax.device import DeviceInfo
+    from dsv41_jax.device import gpu_unsupported_reason
     from dsv41_jax.sparse_mla.capabilities import CUDA_SPARSE_DSV41
 
     try:
-        info = DeviceInfo.default()
+        return gpu_unsupported_reason(CUDA_SPARSE_DSV41.compute_capability_majors) is None
     except Exception:  # noqa: BLE001 - no readable device: not suitable
         return False
-    cc = info.compute_capability
-    return info.platform == "cuda" and cc is not None and cc[0] in CUDA_SPARSE_DSV41.compute_capability_majors
 
 
 def _import_failed(impl: str, module: str, e: Exception) -> ImplStatus:

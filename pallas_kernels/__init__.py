@@ -32,22 +32,11 @@ kernel_options = _ops.kernel_options
 
 def availability_reason() -> str | None:
     """None when the kernels can run natively here (a CUDA GPU of compute capability 9.x / 10.x)."""
-    import jax
+    from dsv41_jax.device import gpu_unsupported_reason
+    from dsv41_jax.sparse_mla.capabilities import PALLAS_SPARSE_DSV41
 
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return f"pallas Mosaic GPU kernels need a CUDA GPU (default backend is {backend!r})"
-    from dsv41_jax.device import DeviceInfo
-
-    try:
-        cc = DeviceInfo.default().compute_capability
-    except (TypeError, ValueError) as e:
-        return f"cannot read the GPU's compute capability ({e})"
-    major = cc[0] if cc is not None else None
-    if major not in (9, 10):
-        got = "none" if cc is None else f"{cc[0]}.{cc[1]}"
-        return f"pallas Mosaic GPU kernels need compute capability 9.x or 10.x, got {got}"
-    return None
+    why = gpu_unsupported_reason(PALLAS_SPARSE_DSV41.compute_capability_majors)
+    return None if why is None else f"pallas Mosaic GPU kernels need a CUDA GPU of compute capability 9.x or 10.x: {why}"
 
 
 def supports_decode(call: DecodeCall) -> str | None:

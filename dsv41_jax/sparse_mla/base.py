@@ -136,8 +136,6 @@ def _check_lengths(name: str, x: Any, n: int, what: str) -> jax.Array | None:
 def _check_cache(name: str, cache: Any, format_arg: str, given_format: Any, block_size: Any,
                  bs_arg: str) -> tuple[str, int]:
     """(canonical kv_format, block_size) of a paged cache checked against them; errors name the arguments."""
-    if not isinstance(given_format, str):
-        raise TypeError(f"{format_arg} must be a str, got {type(given_format).__name__}")
     kv_format = canonical_kv_format(given_format, arg=format_arg)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
         raise TypeError(f"{bs_arg} must be a static int, got {type(block_size).__name__} {block_size!r}")
