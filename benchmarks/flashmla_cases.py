@@ -24,8 +24,8 @@ import numpy as np
 
 from dsv41_jax import kv_cache as kvc
 
-__all__ = ["DecodeCase", "PrefillCase", "DECODE_CASES", "PREFILL_CASES", "decode_inputs", "prefill_inputs",
-           "random_fp8_cache"]
+__all__ = ["DecodeCase", "PrefillCase", "DECODE_CASES", "PREFILL_CASES", "FEW_HEAD_DECODE_CASES",
+           "FEW_HEAD_PREFILL_CASES", "decode_inputs", "prefill_inputs", "random_fp8_cache"]
 
 SOFTMAX_SCALE = 512 ** -0.55
 
@@ -74,6 +74,12 @@ DECODE_CASES = tuple(
     DecodeCase(128, 128, 2048, 64, 32768), DecodeCase(128, 64, 2048, 64, 32768))
 PREFILL_CASES = tuple(PrefillCase(64, 512, s) for s in (8192, 32768, 65536)) + tuple(
     PrefillCase(128, 1024, s) for s in (8192, 32768, 65536)) + (PrefillCase(128, 2048, 32768),)
+# A tensor-parallel shard's few heads: the V4.1-Flash shape (the first configuration above) at h_q 8..64, and
+# prefill at s_kv 32768, top-k 512, h_q 8 and 16. FlashMLA takes 64 or 128 heads, so it runs them padded to 64
+# (as vLLM pads them): its time is what such a call costs it.
+FEW_HEAD_DECODE_CASES = tuple(DecodeCase(b, h, 128, 256, 16384, 512, 64, 16384)
+                              for b in (64, 128, 256) for h in (8, 16, 32, 64))
+FEW_HEAD_PREFILL_CASES = tuple(PrefillCase(h, 512, 32768) for h in (8, 16))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -151,6 +157,10 @@ def decode_inputs(case: DecodeCase, seed: int = 0) -> dict:
             unique += int(np.unique(np.asarray(eidx)).size)
     out["flops"] = 2 * case.h_q * attended * 1024
     out["bytes"] = 2 * case.b * case.s_q * case.h_q * (512 + 512) + unique * 576
+    # what a kernel that reads each attended record once per query token moves: the records (584 B with their
+    # scales), the indices, Q in and O out (bf16)
+    topks = case.topk + (case.extra_topk or 0)
+    out["moved_bytes"] = attended * 584 + case.b * case.s_q * topks * 4 + 2 * case.b * case.s_q * case.h_q * 1024
     return out
 
 
@@ -164,4 +174,5 @@ def prefill_inputs(case: PrefillCase, seed: int = 0) -> dict:
     sink = jax.random.normal(ks, (case.h_q,), jnp.float32)
     return dict(q=q, kv=kv, indices=idx, attn_sink=sink, softmax_scale=SOFTMAX_SCALE,
                 flops=2 * case.s_q * case.topk * case.h_q * 1024,
-                bytes=2 * case.s_q * case.h_q * 1024 + case.s_q * case.topk * 1024)
+                bytes=2 * case.s_q * case.h_q * 1024 + case.s_q * case.topk * 1024,
+                moved_bytes=2 * case.s_q * case.h_q * 1024 + case.s_q * case.topk * (1024 + 4))

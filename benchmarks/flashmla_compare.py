@@ -1,6 +1,6 @@
 """Side by side with FlashMLA on its own V4 cases: the same inputs, the same clock.
 
-    python -m benchmarks.flashmla_compare [--cases decode,prefill,<names>] [--impls cuda] [--out DIR]
+    python -m benchmarks.flashmla_compare [--cases decode,prefill,few_heads,<names>] [--impls cuda] [--out DIR]
                                           [--record benchmarks/RESULTS.md]
 
 FlashMLA (`flash_mla`, built on the GPU machine for measurement only; never part of this repository) gets
@@ -60,7 +60,37 @@ def _flashmla_prefill(case, x):
     return run
 
 
-def compare_case(case, impl: str, iterations: int) -> dict:
+def _padded_heads(x: dict, heads: int) -> dict:
+    """x with q's heads (axis -2) padded with zeros to `heads` and the sink with -inf: FlashMLA's input for a
+    call of fewer heads than it supports (vLLM pads the same way)."""
+    import jax.numpy as jnp
+
+    q, sink = x["q"], x["attn_sink"]
+    h = q.shape[-2]
+    pads = [(0, 0)] * q.ndim
+    pads[-2] = (0, heads - h)
+    return dict(x, q=jnp.pad(q, pads), attn_sink=jnp.pad(sink, (0, heads - h), constant_values=-jnp.inf))
+
+
+def copy_gbps(iterations: int = 10) -> float:
+    """The device's measured copy bandwidth (GB/s): bytes read + written by an elementwise pass over 1 GiB,
+    over its CUPTI kernel time."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.cupti import kernel_times
+
+    holder = {"x": jnp.zeros((256 << 20,), jnp.float32)}
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+
+    def run():
+        holder["x"] = f(holder["x"])
+
+    us, _ = kernel_times(run, sync=lambda: jax.block_until_ready(holder["x"]), iterations=iterations)
+    return 2 * holder["x"].nbytes / us / 1e3
+
+
+def compare_case(case, impl: str, iterations: int, copy_bw: float | None = None) -> dict:
     import jax
     import numpy as np
     import torch
@@ -73,7 +103,8 @@ def compare_case(case, impl: str, iterations: int) -> dict:
     decode = isinstance(case, F.DecodeCase)
     x = F.decode_inputs(case) if decode else F.prefill_inputs(case)
     ours = run_flashmla_case(case, impl, iterations, breakdown=True, inputs=x)
-    run = _flashmla_decode(case, x) if decode else _flashmla_prefill(case, x)
+    fx = _padded_heads(x, 64) if case.h_q < 64 else x  # FlashMLA takes 64 or 128 heads
+    run = _flashmla_decode(case, fx) if decode else _flashmla_prefill(case, fx)
     buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     holder = {}
 
@@ -94,11 +125,16 @@ def compare_case(case, impl: str, iterations: int) -> dict:
     else:
         mine = d.sparse_mla_prefill(x["q"], x["kv"], x["indices"], softmax_scale=x["softmax_scale"],
                                     attn_sink=x["attn_sink"], impl=impl)[0]
-    theirs = holder["v"][0].float().cpu().numpy()
+    theirs = holder["v"][0].float().cpu().numpy()[..., : case.h_q, :]
     mine = np.asarray(jax.device_get(mine), np.float32)
     err = float(np.abs(mine - theirs).max() / max(np.abs(theirs).max(), 1e-30))
-    return dict(ours, flashmla_us=fm_us, flashmla_kernels=fm_kernels, speedup=fm_us / ours["us"],
-                speedup_noplan=fm_us / ours["us_noplan"] if "us_noplan" in ours else None, rel_err_vs_flashmla=err)
+    res = dict(ours, flashmla_us=fm_us, flashmla_kernels=fm_kernels, speedup=fm_us / ours["us"],
+               speedup_noplan=fm_us / ours["us_noplan"] if "us_noplan" in ours else None, rel_err_vs_flashmla=err,
+               flashmla_heads=max(case.h_q, 64), moved_bytes=x["moved_bytes"])
+    if copy_bw:  # the memory bound of what the call moves, at the measured copy bandwidth
+        res.update(copy_gbps=copy_bw, bound_us=x["moved_bytes"] / copy_bw / 1e3,
+                   frac_copy_bw=x["moved_bytes"] / ours["us"] / 1e3 / copy_bw)
+    return res
 
 
 def _release() -> None:
@@ -141,7 +177,11 @@ def main(argv=None) -> int:
     wanted = set(args.cases.split(","))
     cases = [c for c in F.DECODE_CASES if "decode" in wanted or c.name in wanted]
     cases += [c for c in F.PREFILL_CASES if "prefill" in wanted or c.name in wanted]
+    if "few_heads" in wanted:  # FEW_HEAD_*: FlashMLA padded to 64 heads
+        cases += [c for c in F.FEW_HEAD_DECODE_CASES + F.FEW_HEAD_PREFILL_CASES if c not in cases]
     device = jax.devices()[0].device_kind
+    copy_bw = copy_gbps()
+    print(f"# measured copy bandwidth {copy_bw:.0f} GB/s (read + write of 1 GiB)")
     print(f"# device {device}; commit {git_commit()}; FlashMLA time / ours (> 1: ours faster)")
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), commit=git_commit(), device=device,
@@ -155,7 +195,7 @@ def main(argv=None) -> int:
     for c in cases:
         for impl in args.impls.split(","):
             try:
-                r = compare_case(c, impl, args.iterations)
+                r = compare_case(c, impl, args.iterations, copy_bw)
             except Exception as e:
                 print(f"{c.name:44s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
                 continue
@@ -163,8 +203,10 @@ def main(argv=None) -> int:
             save()
             _release()
             np_ = f"  in-call plan {r['us_noplan']:8.1f} us ({r['speedup_noplan']:.3f}x)" if r.get("speedup_noplan") else ""
-            print(f"{c.name:44s} {impl:7s} FlashMLA {r['flashmla_us']:8.1f} us  ours {r['us']:8.1f} us  "
-                  f"{r['speedup']:.3f}x{np_}  (rel diff {r['rel_err_vs_flashmla']:.1e})", flush=True)
+            fm_h = f" at {r['flashmla_heads']} heads" if r["flashmla_heads"] != c.h_q else ""
+            print(f"{c.name:44s} {impl:7s} FlashMLA{fm_h} {r['flashmla_us']:8.1f} us  ours {r['us']:8.1f} us  "
+                  f"{r['speedup']:.3f}x{np_}  moved {r['moved_bytes'] / 1e6:.1f} MB, bound {r['bound_us']:.1f} us "
+                  f"({r['frac_copy_bw']:.2f} of copy bw)  (rel diff {r['rel_err_vs_flashmla']:.1e})", flush=True)
     for op in ("decode", "prefill"):
         sel = [r for r in rows if r["op"] == op]
         if sel:
@@ -176,8 +218,10 @@ def main(argv=None) -> int:
         with open(args.record, "a") as f:
             for r in rows:
                 noplan = f" (plan in the call: {r['us_noplan']:.1f})" if "us_noplan" in r else ""
+                fm_h = f" at {r['flashmla_heads']} heads" if r["flashmla_heads"] != r["config"]["h_q"] else ""
                 f.write(f"| {meta['date']} | {meta['commit']} | {device} | {r['case']} | {r['impl']} | "
-                        f"{r['us']:.1f}{noplan} | FlashMLA {r['flashmla_us']:.1f} | {r['speedup']:.3f}x | "
+                        f"{r['us']:.1f}{noplan} | FlashMLA{fm_h} {r['flashmla_us']:.1f} | {r['speedup']:.3f}x | "
+                        f"moved {r['moved_bytes'] / 1e6:.1f} MB, {r['frac_copy_bw']:.2f} of {r['copy_gbps']:.0f} GB/s | "
                         f"`{meta['command']}` |\n")
     return 0
 

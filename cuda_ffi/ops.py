@@ -1,7 +1,8 @@
 """JAX side of the `impl="cuda"` kernels: argument preparation and the XLA FFI calls.
 
 Both kernels work on 64-head groups and 64-token tiles, so the wrapper
-- pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back;
+- pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back; a decode
+  of at most 32 heads runs the narrow CTA instead, padded to 16 or 32 heads (`decode_head_pad`);
 - pads indices with -1 to a multiple of 64 (at least 64);
 - passes lengths and sinks as they are (the kernels clamp lengths to [0, topk]); absent lengths are a
   constant `[topk]` (one length for every row), an absent sink an empty operand, so a call adds no
@@ -33,7 +34,7 @@ from dsv41_jax.kv_cache import LATENT_DIM, f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import num_sm_parts_for
 
-__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES", "MAX_PLANS",
+__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "NARROW_MAX_HEADS", "decode_head_pad", "FORMAT_CODES", "MAX_PLANS",
            "decode_supports", "prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "decode",
            "prefill_kv_f16", "prepare_prefill", "prefill"]
 
@@ -42,6 +43,7 @@ PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
 HEAD_DIM = LATENT_DIM  # the latent width the kernels are built for
 GROUP = 64
+NARROW_MAX_HEADS = 32  # decode heads the narrow CTA serves (narrow.cuh: 16 or 32 rows)
 FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
 MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)
 
@@ -114,11 +116,20 @@ def _rows(name: str, x: jax.Array | None, topk: int) -> jax.Array:
     return x
 
 
-def _pad_for_kernel(call, *, head_axis: int):
-    """q padded to 64-head groups (sink -inf for the padding), indices to 64-token tiles (-1):
-    `(q, sink, indices, h_pad)`. The last axis of indices is top-k."""
+def decode_head_pad(h_q: int) -> int:
+    """The decode kernel's head count for h_q heads: 16 or 32 (the narrow CTA, `csrc/narrow.cuh`: a
+    tensor-parallel shard's few heads are not padded to a 64-head group), else a multiple of 64."""
+    if h_q <= NARROW_MAX_HEADS:
+        return 16 if h_q <= 16 else 32
+    return _round_up(h_q, GROUP)
+
+
+def _pad_for_kernel(call, *, head_axis: int, narrow: bool = False):
+    """q padded to the kernel's heads (`decode_head_pad` when `narrow`, else 64-head groups; sink -inf for
+    the padding), indices to 64-token tiles (-1): `(q, sink, indices, h_pad)`. The last axis of indices is
+    top-k."""
     h_q = call.q.shape[head_axis]
-    h_pad = _round_up(h_q, GROUP)
+    h_pad = decode_head_pad(h_q) if narrow else _round_up(h_q, GROUP)
     qp = _pad_axis(call.q, head_axis, h_pad, 0)
     topk = call.indices.shape[-1]
     idx = _pad_axis(call.indices, call.indices.ndim - 1, _round_up(topk, GROUP), -1)
@@ -186,7 +197,7 @@ def prepare_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
     """(ffi args, ffi attrs, result ShapeDtypeStructs, info) of a checked `DecodeCall` over `plan`."""
     _check_decode(call)
     b, s_q, h_q, _ = call.q.shape
-    qp, sink, idx, h_pad = _pad_for_kernel(call, head_axis=2)
+    qp, sink, idx, h_pad = _pad_for_kernel(call, head_axis=2, narrow=True)
     tl = _rows("topk_length", call.topk_length, call.indices.shape[2])
     if call.has_extra:
         etopk = call.extra_indices.shape[2]

@@ -335,6 +335,41 @@ def test_emulated_decode_grid_as_pairs(emu, name):
     _check_decode(make_decode_case(300 + PAIR_GRID_IDS.index(name), **kw), num_sms=16)
 
 
+# The narrow CTA (csrc/narrow.cuh) serves h_q <= 32 padded to 16 or 32 heads; the 64-head CTA everything above.
+def test_decode_head_pad():
+    assert [cuda_ffi.ops.decode_head_pad(h) for h in (1, 3, 8, 16, 17, 24, 32, 33, 64, 65, 128)] == [
+        16, 16, 16, 16, 32, 32, 32, 64, 64, 128, 128]
+    for h, want in ((8, 16), (24, 32), (48, 64)):
+        call = _decode_call(make_decode_case(5, h_q=h, topk=64, fmt="fp8_ds_mla"))
+        plan = cuda_ffi.ops.call_plan(call, num_sms=8, planner="jax")
+        assert cuda_ffi.ops.prepare_decode(call, plan)[3]["h_pad"] == want, h
+
+
+NARROW_GRID_IDS = ["fp8_p61", "fp8_extra_p2", "bf16_p64", "fp8_all_invalid_row", "fp8_zero_len"]
+
+
+@pytest.mark.parametrize("h_q", [1, 3, 8, 16, 24, 32])
+@pytest.mark.parametrize("name", NARROW_GRID_IDS)
+def test_emulated_decode_narrow_heads(emu, name, h_q):
+    kw = dict(dict(DECODE_GRID)[name], h_q=h_q)
+    _check_decode(make_decode_case(500 + NARROW_GRID_IDS.index(name) + 7 * h_q, **kw), num_sms=16)
+
+
+@pytest.mark.parametrize("h_q,num_sms", [(8, 6), (32, 5)])
+def test_emulated_decode_narrow_split_pieces(emu, h_q, num_sms):
+    # few parts over long requests with an extra cache: split pieces, the combine, several segments per CTA
+    kw = dict(b=5, s_q=2, h_q=h_q, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
+              extra=dict(topk=192, block_size=2, fmt="fp8_ds_mla", lengths="var"))
+    _check_decode(make_decode_case(530 + h_q, **kw), num_sms=num_sms)
+
+
+# The grid's edge cases on one 64-head CTA (h_q 33..64: no pair, not narrow).
+@pytest.mark.parametrize("name", ["fp8_p61", "fp8_extra_p2", "fp8_zero_len", "fp8_all_invalid_row"])
+def test_emulated_decode_grid_one_group(emu, name):
+    kw = dict(dict(DECODE_GRID)[name], h_q=48)
+    _check_decode(make_decode_case(540 + len(name), **kw), num_sms=16)
+
+
 _WGMMA_SELFTEST = '''
 import ctypes, sys
 import numpy as np

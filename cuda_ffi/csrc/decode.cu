@@ -11,6 +11,13 @@ __global__ void __launch_bounds__(kThreads, 1) dsv41_decode_kernel(const __grid_
   decode_cta<kPair>(p, smem);
 }
 
+// The narrow CTA (narrow.cuh): 16 R query heads, no head-group padding.
+template <int R>
+__global__ void __launch_bounds__(kThreads, 1) dsv41_decode_narrow_kernel(const __grid_constant__ DecodeParams p) {
+  extern __shared__ __align__(128) char smem[];
+  decode_narrow_cta<R>(p, smem);
+}
+
 // One CTA per plan of the batch: the CTA planner, or the warp planner where its table does not fit.
 __global__ void __launch_bounds__(kPlanCtaThreads) dsv41_plan_cta_kernel(const __grid_constant__ PlanBatch p) {
   extern __shared__ __align__(128) char smem[];
@@ -54,12 +61,16 @@ cudaError_t launch_plans(const PlanBatch& plans, cudaStream_t stream) {
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
-  static unsigned long long done[2] = {0, 0};
+  static unsigned long long done[4] = {0, 0, 0, 0};
   const long long grid = (long long)p.num_groups * p.s_q * p.num_parts;
   if (grid <= 0 || p.b <= 0) return cudaSuccess;
   const bool pair = p.pair != 0;
-  auto* kernel = pair ? dsv41_decode_kernel<true> : dsv41_decode_kernel<false>;
-  cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[pair ? 1 : 0]);
+  // kernel k: 0 one 64-head CTA, 1 a pair, 2 / 3 the narrow CTA of 16 / 32 heads
+  const int k = narrow_rows_ok(p.h_pad) ? 1 + p.h_pad / 16 : pair ? 1 : 0;
+  void (*const kernels[4])(const DecodeParams) = {dsv41_decode_kernel<false>, dsv41_decode_kernel<true>,
+                                                  dsv41_decode_narrow_kernel<1>, dsv41_decode_narrow_kernel<2>};
+  auto* kernel = kernels[k];
+  cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[k]);
   if (e != cudaSuccess) return e;
   e = launch_attention(kernel, p, grid, pair, stream);
   if (e != cudaSuccess) return e;

@@ -57,6 +57,7 @@
 #include "producer.cuh"
 #include "consumer.cuh"
 #include "decode_cta.cuh"
+#include "narrow.cuh"
 #include "planner.cuh"
 #include "combine_cta.cuh"
 #include "prefill_cta.cuh"

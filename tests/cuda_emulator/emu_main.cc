@@ -39,7 +39,9 @@ int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, 
   if (!err.empty()) return report("dsv41_sparse_mla_decode: " + err, errbuf, errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q * p.num_parts;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
-                if (p.pair) dsv41::decode_cta<true>(p, smem);
+                if (p.h_pad == 16) dsv41::decode_narrow_cta<1>(p, smem);
+                else if (p.h_pad == 32) dsv41::decode_narrow_cta<2>(p, smem);
+                else if (p.pair) dsv41::decode_cta<true>(p, smem);
                 else dsv41::decode_cta<false>(p, smem);
               }, seed,
               workers, p.pair ? 2 : 1);

@@ -129,6 +129,30 @@ def test_decode_multi_split_vs_xla(kw):
     assert_close(lse, np.asarray(r_lse), "decode_lse", "lse vs xla")
 
 
+# The narrow CTA (csrc/narrow.cuh: h_q <= 32, no padding to 64 heads) on FlashMLA-style edge cases, and on the
+# V4.1-Flash shape of a tensor-parallel shard (SWA top-k 128 on pages of 256 + compressed top-k 512 on pages of 64).
+NARROW_GRID_IDS = ["fp8_p61", "fp8_extra_p2", "bf16_p64", "fp8_all_invalid_row", "fp8_zero_len", "fp8_p2_var"]
+
+
+@pytest.mark.parametrize("h_q", [1, 3, 8, 16, 24, 32])
+@pytest.mark.parametrize("name", NARROW_GRID_IDS)
+def test_decode_narrow_heads(name, h_q):
+    kw = dict(dict(DECODE_GRID)[name], h_q=h_q)
+    case = make_decode_case(600 + NARROW_GRID_IDS.index(name) + 7 * h_q, **kw)
+    case.check(*_decode(case), f"{name} h_q={h_q}")
+
+
+@pytest.mark.parametrize("h_q", [8, 16, 32])
+def test_decode_narrow_v41_flash_shard_vs_xla(h_q):
+    case = make_decode_case(640 + h_q, b=64, s_q=2, h_q=h_q, topk=128, block_size=256, fmt="fp8_ds_mla", s_kv=4096,
+                            lengths="full", extra=dict(topk=512, block_size=64, fmt="fp8_ds_mla", s_kv=4096,
+                                                       lengths="var"))
+    out, lse = _decode(case)
+    r_out, r_lse = _decode(case, impl="xla")
+    assert_close(out, np.asarray(r_out, np.float32), "decode_out", "out vs xla")
+    assert_close(lse, np.asarray(r_lse), "decode_lse", "lse vs xla")
+
+
 def test_decode_poison_never_reaches_output():
     # Unused slots are NaN (bf16) / 0xFF (fp8: NaN e4m3 and a 2^128 scale), 40% of the indices are
     # invalid (-1, INT_MIN, INT_MAX, capacity, ...), and positions past topk_length point at unused slots.
@@ -251,7 +275,7 @@ def test_stale_plan_on_device():
         assert np.isfinite(np.asarray(out, np.float32)).all() and not np.isnan(np.asarray(lse)).any(), i
 
 
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q", [8, 64, 128])
 def test_batch_invariant_on_device(h_q):
     # batch_invariant=True: a request's out and lse are bitwise the same alone, in a permuted sub-batch and in the
     # whole batch
