@@ -39,12 +39,17 @@ _NO_MMA = (
      "  for (int kk = 0; kk < 0; ++kk)\n    wgmma_m64n256k16_tb"),
     ("consumer.cuh", "  for (int kk = 0; kk < kTileTokens / 16; ++kk) {\n    const uint32_t a[4]",
      "  for (int kk = 0; kk < 0; ++kk) {\n    const uint32_t a[4]"),
+    # the narrow CTA's warp MMAs (S and PV)
+    ("narrow.cuh", "  for (int m = 0; m < kHeadDim / 32; ++m) {", "  for (int m = 0; m < 0; ++m) {"),
+    ("narrow.cuh", "  for (int kk = 0; kk < kTileTokens / 16; ++kk) {\n    uint32_t ph[R][4];",
+     "  for (int kk = 0; kk < 0; ++kk) {\n    uint32_t ph[R][4];"),
 )
 
 ABLATIONS = {
     "default": Ablation("the product's kernels, built the same way (the reference row)"),
     "no_gather": Ablation("no cache reads and no L2 prefetch (zero rows), everything else unchanged", _NO_GATHER),
-    "no_mma": Ablation("no wgmma work (S and PV), everything else unchanged", _NO_MMA),
+    "no_mma": Ablation("no tensor-core work (S and PV: wgmma, the narrow CTA's mma.sync), everything else unchanged",
+                       _NO_MMA),
     "neither": Ablation("no cache reads and no wgmma work", _NO_GATHER + _NO_MMA),
     "no_pair": Ablation("decode with one CTA per head group instead of 2-CTA head-group pairs", (
         ("host_params.h", "inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }",

@@ -34,7 +34,8 @@
 #                 copies of cuda_ffi/csrc/: no_gather no cache reads, no_mma no tensor-core work, neither,
 #                 no_pair decode without head-group pairs, mma_sync the mma.sync consumers on sm_90a);
 #                 not recorded (experiments); $ABLATION picks variants (default: "default no_gather no_mma
-#                 neither mma_sync"), $ABL_CASES the cases (default: decode,prefill)
+#                 neither mma_sync"), $ABL_CASES the cases (default: decode,prefill), or $ABL_FM_CASES FlashMLA's
+#                 (benchmarks/flashmla_cases.py names, or decode / prefill / few_heads)
 #   ncu           Nsight Compute (--clock-control none) over one call of the attention kernel per case
 #                 ($NCU_CASES, default decode_headline_h128; prefill_h128_topk2048 can crash Python with
 #                 signal 11 under ncu): a report per case, its details page and its
@@ -119,8 +120,13 @@ for s in "${stages[@]}"; do
         echo "--- variant $name"
         $PY -m benchmarks.cuda_ablations "$name" --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" \
           > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
-        DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
-          --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
+        if [ -n "${ABL_FM_CASES:-}" ]; then  # FlashMLA's cases (benchmarks.flashmla_cases names or groups)
+          DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --suite flashmla \
+            --impls cuda --cases "$ABL_FM_CASES" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(fm_|!!!)" | tee -a "$OUT/ablation.log"
+        else
+          DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
+            --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
+        fi
       done ;;
     ncu) ncu_cases cuda "dsv41_(decode|prefill|prefill_f16)_kernel" ncu sass,cuda source "" --import-source yes ;;
     ncu-export)

@@ -2,7 +2,7 @@
 
 Both kernels work on 64-head groups and 64-token tiles, so the wrapper
 - pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back; a decode
-  of at most 32 heads runs the narrow CTA instead, padded to 16 or 32 heads (`decode_head_pad`);
+  of at most 32 heads runs the narrow CTA instead, on q as it is (`decode_head_pad`);
 - pads indices with -1 to a multiple of 64 (at least 64);
 - passes lengths and sinks as they are (the kernels clamp lengths to [0, topk]); absent lengths are a
   constant `[topk]` (one length for every row), an absent sink an empty operand, so a call adds no
@@ -43,7 +43,7 @@ PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
 HEAD_DIM = LATENT_DIM  # the latent width the kernels are built for
 GROUP = 64
-NARROW_MAX_HEADS = 32  # decode heads the narrow CTA serves (narrow.cuh: 16 or 32 rows)
+NARROW_MAX_HEADS = 32  # decode heads the narrow CTA takes unpadded (params.h kNarrowMaxHeads)
 FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
 MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)
 
@@ -117,11 +117,10 @@ def _rows(name: str, x: jax.Array | None, topk: int) -> jax.Array:
 
 
 def decode_head_pad(h_q: int) -> int:
-    """The decode kernel's head count for h_q heads: 16 or 32 (the narrow CTA, `csrc/narrow.cuh`: a
-    tensor-parallel shard's few heads are not padded to a 64-head group), else a multiple of 64."""
-    if h_q <= NARROW_MAX_HEADS:
-        return 16 if h_q <= 16 else 32
-    return _round_up(h_q, GROUP)
+    """The heads of the decode kernel's q for h_q heads: h_q itself up to `NARROW_MAX_HEADS` (the narrow CTA,
+    `csrc/narrow.cuh`, reads and writes a tensor-parallel shard's few heads as they are), else the next
+    multiple of 64."""
+    return h_q if h_q <= NARROW_MAX_HEADS else _round_up(h_q, GROUP)
 
 
 def _pad_for_kernel(call, *, head_axis: int, narrow: bool = False):

@@ -335,11 +335,11 @@ def test_emulated_decode_grid_as_pairs(emu, name):
     _check_decode(make_decode_case(300 + PAIR_GRID_IDS.index(name), **kw), num_sms=16)
 
 
-# The narrow CTA (csrc/narrow.cuh) serves h_q <= 32 padded to 16 or 32 heads; the 64-head CTA everything above.
+# The narrow CTA (csrc/narrow.cuh) takes h_q <= 32 heads as they are; the 64-head CTA everything above (padded).
 def test_decode_head_pad():
     assert [cuda_ffi.ops.decode_head_pad(h) for h in (1, 3, 8, 16, 17, 24, 32, 33, 64, 65, 128)] == [
-        16, 16, 16, 16, 32, 32, 32, 64, 64, 128, 128]
-    for h, want in ((8, 16), (24, 32), (48, 64)):
+        1, 3, 8, 16, 17, 24, 32, 64, 64, 128, 128]
+    for h, want in ((8, 8), (24, 24), (48, 64)):
         call = _decode_call(make_decode_case(5, h_q=h, topk=64, fmt="fp8_ds_mla"))
         plan = cuda_ffi.ops.call_plan(call, num_sms=8, planner="jax")
         assert cuda_ffi.ops.prepare_decode(call, plan)[3]["h_pad"] == want, h

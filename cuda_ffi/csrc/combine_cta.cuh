@@ -5,7 +5,7 @@
 
 namespace dsv41 {
 
-// One warp per (request, query token, head) of requests with more than one piece:
+// One warp per (request, query token, head) of requests with more than one piece (8 heads per CTA):
 // m = max lse2_i; S = sum 2^(lse2_i - m); g = m + log2 S; lse = g ln2;
 // out = sum_i 2^(lse2_i - g) O_i / (1 + 2^(sink log2e - g)). All pieces empty -> 0, +inf.
 // Only pieces inside the accumulators are read (num_splits comes with the plan, a value of the caller's).
@@ -25,7 +25,7 @@ DEVFN float warp_sum(float v) {
 }
 
 DEVFN void combine_cta(const DecodeParams& p) {
-  const int hgroups = p.h_pad / 8;
+  const int hgroups = (p.h_q + 7) / 8;
   const int64_t bid = block_idx();
   const int hg = (int)(bid % hgroups);
   const int64_t rest = bid / hgroups;
@@ -37,10 +37,11 @@ DEVFN void combine_cta(const DecodeParams& p) {
   if (first < 0 || first >= p.num_slots) n = 0;
   if (n > p.num_slots - first) n = p.num_slots - first;
   const int head = hg * 8 + warp_idx();
+  if (head >= p.h_q) return;
   const int lane = lane_idx();
-  const int64_t stride = (int64_t)p.s_q * p.h_pad;  // between consecutive slots
-  const float* la = p.lse_accum + ((int64_t)first * p.s_q + s) * p.h_pad + head;
-  const int64_t orow = (((int64_t)req * p.s_q + s) * p.h_pad + head);
+  const int64_t stride = (int64_t)p.s_q * p.h_q;  // between consecutive slots
+  const float* la = p.lse_accum + ((int64_t)first * p.s_q + s) * p.h_q + head;
+  const int64_t orow = (((int64_t)req * p.s_q + s) * p.h_q + head);
   uint16_t* out = p.out + orow * kHeadDim;
   float m = -finf();
   for (int i = lane; i < n; i += 32) m = fmaxf(m, la[i * stride]);
@@ -65,7 +66,7 @@ DEVFN void combine_cta(const DecodeParams& p) {
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-  const float* oa = p.o_accum + (((int64_t)first * p.s_q + s) * p.h_pad + head) * kHeadDim + 4 * lane;
+  const float* oa = p.o_accum + (((int64_t)first * p.s_q + s) * p.h_q + head) * kHeadDim + 4 * lane;
   for (int i0 = 0; i0 < n; i0 += 32) {
     const int cnt = n - i0 < 32 ? n - i0 : 32;
     const uint32_t wl = f32_bits(lane < cnt ? fexp2(la[(i0 + lane) * stride] - gl) * factor : 0.f);  // lse2 -inf -> 0

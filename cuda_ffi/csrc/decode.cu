@@ -75,7 +75,7 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   e = launch_attention(kernel, p, grid, pair, stream);
   if (e != cudaSuccess) return e;
   if (p.num_slots <= 1) return cudaSuccess;  // a plan without split-KV: every request's CTA wrote its output
-  const long long cgrid = (long long)p.b * p.s_q * (p.h_pad / 8);
+  const long long cgrid = (long long)p.b * p.s_q * ((p.h_q + 7) / 8);
   dsv41_combine_kernel<<<(unsigned)cgrid, kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

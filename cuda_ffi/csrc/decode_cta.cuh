@@ -99,24 +99,23 @@ constexpr bool kStagedEpi = kWgmma;
 // The piece of an empty segment (a plan made for longer requests than the call's), so that every slot the plan
 // names holds a value: O = 0, lse2 = -inf into its accumulator slot, or, when the request is one piece, out = 0,
 // lse = +inf. Written by the consumer threads, with no tile.
-// `rows`: the CTA's heads (a 64-head group, or the narrow CTA's 16 / 32).
 DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
-                             int group, int ct, int rows = kHeadsPerCta) {
+                             int group, int ct) {
   const int first = ldg_nc_s32(p.num_splits + req);
   const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
   const uint4 zero = make_u4(0u, 0u, 0u, 0u);
   if (pieces <= 1 || p.num_slots <= 1) {
     uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
-    for (int i = ct; i < rows * kHeadDim / 8; i += kConsumerThreads) o[i] = zero;
-    if (ct < rows) p.lse[head_row + ct] = finf();
+    for (int i = ct; i < kHeadsPerCta * kHeadDim / 8; i += kConsumerThreads) o[i] = zero;
+    if (ct < kHeadsPerCta) p.lse[head_row + ct] = finf();
     return;
   }
   const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
   if (slot < 0 || slot >= p.num_slots) return;
-  const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * rows;
+  const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
   uint4* o = reinterpret_cast<uint4*>(p.o_accum + arow * kHeadDim);
-  for (int i = ct; i < rows * kHeadDim / 4; i += kConsumerThreads) o[i] = zero;
-  if (ct < rows) p.lse_accum[arow + ct] = -finf();
+  for (int i = ct; i < kHeadsPerCta * kHeadDim / 4; i += kConsumerThreads) o[i] = zero;
+  if (ct < kHeadsPerCta) p.lse_accum[arow + ct] = -finf();
 }
 
 template <class C, class Side>

@@ -161,7 +161,7 @@ inline std::string row_lengths(const char* name, const TensorView& t, int64_t ro
   return "";
 }
 
-// Decode: q [b, s_q, h_pad, 512] bf16 (h_pad 16 or 32: the narrow CTA; else h_pad % 64 == 0), kv_cache, indices [b, s_q, topk] int32,
+// Decode: q [b, s_q, h, 512] bf16 (h <= 32: the narrow CTA, heads as they are; else h % 64 == 0), kv_cache, indices [b, s_q, topk] int32,
 // topk_length [b] int32 (or [1]: one for all), attn_sink [h_pad] f32 (or [0]: no sink), the split plan
 // tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1] int32 (dsv41_jax.scheduler),
 // extra_* (ignored when has_extra == 0; extra_topk_length may be [1]); results out [b, s_q, h_pad,
@@ -180,10 +180,10 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (!(e = expect("q", q, DType::kBF16, 4)).empty()) return e;
   const int64_t b = q.dims[0], s_q = q.dims[1], h_pad = q.dims[2];
   if (q.dims[3] != kHeadDim) return cat("q: expected head dim ", kHeadDim, ", got shape ", shape_str(q));
-  const bool narrow = h_pad == 16 || h_pad == 32;  // narrow.cuh's CTA (narrow_rows_ok)
+  const bool narrow = h_pad >= 1 && h_pad <= kNarrowMaxHeads;  // narrow.cuh's CTA: q's heads as they are
   if (!narrow && (h_pad < kHeadsPerCta || h_pad % kHeadsPerCta))
-    return cat("q: expected the head count padded to 16, 32 or a positive multiple of ", kHeadsPerCta,
-               ", got shape ", shape_str(q));
+    return cat("q: expected 1..", kNarrowMaxHeads, " heads or a multiple of ", kHeadsPerCta, ", got shape ",
+               shape_str(q));
   if (b < 1 || s_q < 1) return cat("q: expected b >= 1 and s_q >= 1, got shape ", shape_str(q));
   if (b >= kMaxI32 / 2 || s_q > 65535 * 64 || h_pad > (1 << 20)) return cat("q: shape too large: ", shape_str(q));
   if (!(softmax_scale == softmax_scale) || softmax_scale == 1.0f / 0.0f || softmax_scale == -1.0f / 0.0f)
@@ -225,7 +225,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   const int64_t groups = narrow ? 1 : h_pad / kHeadsPerCta;
   const int64_t grid = groups * s_q * parts;
   if (grid > kMaxI32) return cat("decode grid too large: ", grid, " CTAs (head groups * s_q * num_parts)");
-  if (b * s_q * (h_pad / 8) > kMaxI32) return cat("combine grid too large for q shape ", shape_str(q));
+  if (b * s_q * ((h_pad + 7) / 8) > kMaxI32) return cat("combine grid too large for q shape ", shape_str(q));
   p->q = static_cast<const uint16_t*>(q.data);
   p->sink = sink.dims[0] ? static_cast<const float*>(sink.data) : nullptr;
   p->sched = static_cast<const int32_t*>(sched.data);
@@ -237,7 +237,8 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->scale_log2 = softmax_scale * 1.4426950408889634f;
   p->b = (int32_t)b;
   p->s_q = (int32_t)s_q;
-  p->h_pad = (int32_t)h_pad;
+  p->h_q = (int32_t)h_pad;
+  p->h_pad = narrow ? (h_pad <= 16 ? 16 : kNarrowMaxHeads) : (int32_t)h_pad;
   p->num_groups = (int32_t)groups;
   p->num_parts = (int32_t)parts;
   p->has_extra = (int32_t)has_extra;

@@ -1,34 +1,61 @@
-// The narrow decode CTA: 16 or 32 query heads of one query token (a tensor-parallel shard of V4.1's 64 or
-// 128 heads), without padding them to a 64-head group (docs/cuda_kernels.md, section 5).
+// The narrow decode CTA: at most 32 query heads of one query token (a tensor-parallel shard of V4.1's 64
+// or 128 heads), read and written as they are, without padding them to a 64-head group
+// (docs/cuda_kernels.md, section 5).
 #pragma once
 
 #include "decode_cta.cuh"
 
 namespace dsv41 {
 
-// The CTA is the single-CTA decode's (producers warpgroup, 8 consumer warps, same tiles, K buffers,
-// validity masks and plan); only the consumers differ. A 64-row warpgroup MMA would be three quarters
-// padding at 16 heads, so the consumers use warp MMAs (mma.sync m16n8k16) of kRows = 16R rows:
-//   S: warp w computes the scores of tokens 8w..8w+7 of the tile for all rows (R m-blocks, 32 k-steps);
-//   the 8 warps exchange row maxima through shared memory (B1), write P (B2);
-//   PV: warp w accumulates O[:, 64w..64w+63] for all rows (P via ldmatrix, V via ldmatrix.trans).
-// A thread's score rows (16r + g, +8) are also its O rows, so the rescale needs no exchange.
-// Q, P and the K tiles keep the 64-row layouts of params.h (rows 0..kRows-1 used); the row maxima and the
+// A 64-row warpgroup MMA would be three quarters padding at 16 heads, and the decode of few heads is
+// bound by the gather, so the narrow CTA moves warps from the tensor work to the gather:
+//   warpgroup 0 (warps 0..3): consumers, warp MMAs (mma.sync m16n8k16) over kRows = 16R rows (heads h_q..
+//   kRows - 1 are zero rows, never written). S: warp w computes the scores of tokens 16w..16w+15 for all
+//   rows; the warps exchange row maxima through shared memory (B1) and write P (B2); PV: warp w accumulates
+//   O[:, 128w..128w+127] for all rows. A thread's score rows (16r + g, + 8) are also its O rows, so the
+//   rescale needs no exchange.
+//   warpgroups 1 and 2 (warps 4..11): producers, one 8-token batch each per tile (the single CTA's
+//   produce_tiles with NB = 1), so twice the single 64-head CTA's rows are in flight.
+// Tiles, K buffers, validity masks, the FULL / EMPTY hand-off (all 384 threads) and the plan are the
+// decode's; Q and P keep the 64-row layouts of params.h (rows 0..kRows-1 used); the row maxima and the
 // partial row sums live in the exchange region.
-constexpr int kNarrowMaxRows = 32;
-constexpr int kSmemNarrowMax = kSmemXS;                                     // f32 [8 warps][32 rows]
-constexpr int kSmemNarrowL = kSmemNarrowMax + kConsumerWarps * kNarrowMaxRows * 4;  // f32 [8 warps][32 rows]
-static_assert(kSmemNarrowL + kConsumerWarps * kNarrowMaxRows * 4 <= kSmemBytes, "narrow exchange beyond the map");
+constexpr int kNarrowConsumerWarps = 4;
+constexpr int kNarrowConsumerThreads = 32 * kNarrowConsumerWarps;  // 128: kBarConsumers' count here
+constexpr int kNarrowProducerWarps = kConsumerWarps + kProducerWarps - kNarrowConsumerWarps;  // 8
+constexpr int kNarrowTokensPerWarp = kTileTokens / kNarrowConsumerWarps;                       // 16 (S)
+constexpr int kNarrowDimsPerWarp = kHeadDim / kNarrowConsumerWarps;                            // 128 (PV)
+// setmaxnreg per warpgroup: 128 consumers x 232 + 256 producers x 136 = 384 x 168.
+constexpr int kNarrowConsumerRegs = 232;
+constexpr int kNarrowProducerRegs = 136;
+static_assert(kNarrowConsumerRegs + 2 * kNarrowProducerRegs <= 3 * kLaunchRegs, "setmaxnreg beyond the launch");
+constexpr int kSmemNarrowMax = kSmemXS;                                                 // f32 [4 warps][32 rows]
+constexpr int kSmemNarrowL = kSmemNarrowMax + kNarrowConsumerWarps * kNarrowMaxHeads * 4;  // f32 [4][32]
+static_assert(kSmemNarrowL + kNarrowConsumerWarps * kNarrowMaxHeads * 4 <= kSmemBytes, "narrow exchange beyond the map");
 
-// The head counts the narrow CTA serves: h_pad = 16 or 32 (host_params.h, cuda_ffi/ops.py).
+// The head counts the narrow CTA serves: 16 or 32 rows (host_params.h sets h_pad, cuda_ffi/ops.py).
 constexpr bool narrow_rows_ok(int64_t h_pad) { return h_pad == 16 || h_pad == 32; }
 
-// O fragment: o[r][n] = rows 16r + g (e < 2) / + 8, dims 64w + 8n + 2t + (e & 1).
+// The crew of the narrow CTA (pair.cuh's Crew for one CTA, with eight producer warps of one batch each).
+struct NarrowCrew {
+  static constexpr int ncta = 1;
+  static constexpr bool split = false;
+  static constexpr int full_count = kThreads;
+  static constexpr bool wg1_addr = false;
+  static constexpr int producer_warps = kNarrowProducerWarps;
+  static constexpr int batches = 1;
+  static constexpr int producer_regs = kNarrowProducerRegs;
+  static constexpr int consumer_regs = kNarrowConsumerRegs;
+  int rank;
+  uint32_t peer;
+};
+static_assert(NarrowCrew::producer_warps * 8 * NarrowCrew::batches == kTileTokens, "the producers cover a tile");
+
+// O fragment: o[r][n] = rows 16r + g (e < 2) / + 8, dims 128w + 8n + 2t + (e & 1).
 template <int R>
 struct NarrowAcc {
-  float o[R][8][4];
+  float o[R][16][4];
   float m[R][2];      // lazy base of P (kLazyLog2), identical in every warp
-  float l[R][2];      // this thread's share of the row sums (its 2 tokens of every tile)
+  float l[R][2];      // this thread's share of the row sums (its 4 tokens of every tile)
   float mtrue[R][2];  // running maximum of S (identical in every warp)
 };
 
@@ -37,7 +64,7 @@ DEVFN void narrow_reset(NarrowAcc<R>& a) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
+    for (int n = 0; n < 16; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) a.o[r][n][e] = 0.f;
 #pragma unroll
@@ -48,23 +75,25 @@ DEVFN void narrow_reset(NarrowAcc<R>& a) {
   }
 }
 
-// Q rows 0..16R-1 of one query token (bf16 [16R][512] from global) as f16 into the swizzled Q region;
-// all 256 consumer threads, 4R loads each in flight; ends with the consumer barrier.
+DEVFN void narrow_sync() { bar_sync(kBarConsumers, kNarrowConsumerThreads); }
+
+// Q rows 0..16R-1 of one query token (bf16 [h_q][512] from global; rows past h_q zero) as f16 into the
+// swizzled Q region; the 128 consumer threads, 8R loads each in flight; ends with the consumer barrier.
 template <int R>
-DEVFN void narrow_load_q(char* smem, const uint16_t* q, int ct) {
-  constexpr int kPer = 4 * R;
+DEVFN void narrow_load_q(char* smem, const uint16_t* q, int h_q, int ct) {
+  constexpr int kPer = 8 * R;
   uint4 v[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    const int c = ct + kConsumerThreads * i;
-    v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);
+    const int c = ct + kNarrowConsumerThreads * i;
+    v[i] = (c >> 6) < h_q ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);
   }
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    const int c = ct + kConsumerThreads * i;
+    const int c = ct + kNarrowConsumerThreads * i;
     *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
   }
-  bar_sync(kBarConsumers, kConsumerThreads);
+  narrow_sync();
 }
 
 template <int R>
@@ -75,45 +104,56 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAcc<R>& acc, float sca
   char* ps = smem + kSmemP + buf * kSmemPBytes;
   float* rmax = reinterpret_cast<float*>(smem + kSmemNarrowMax);
 
-  // S = Q K^T for tokens 8w..8w+7. B (K rows) via ldmatrix.x4 over four 8-dim chunks: {b[0], b[1]} of
-  // k-step 2m, {b[2], b[3]} of k-step 2m + 1. A (Q rows 16r..) as consume_tile_mma_sync's.
-  float s[R][4];
+  // S = Q K^T for tokens 16w + 8j + (0..7), j = 0, 1. B (K rows) via ldmatrix.x4 over four 8-dim chunks:
+  // {b[0], b[1]} of k-step 2m, {b[2], b[3]} of k-step 2m + 1; A (Q rows 16r..) as consume_tile_mma_sync's.
+  // Even and odd k-steps accumulate apart (sa, sb): two chains of 16 dependent MMAs instead of one of 32.
+  float sa[R][2][4], sb[R][2][4];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[r][e] = 0.f;
-  const int b_tok = 8 * w + (lane & 7), b_chunk = lane >> 3;
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sa[r][j][e] = sb[r][j][e] = 0.f;
+  const int b_tok = kNarrowTokensPerWarp * w + (lane & 7), b_chunk = lane >> 3;
   const int a_row = lane & 15, a_chunk = lane >> 4;
 #pragma unroll 4
   for (int m = 0; m < kHeadDim / 32; ++m) {
-    uint32_t b[4];
-    ldsm_x4(b, ks + tile_off(b_tok, 4 * m + b_chunk));
+    uint32_t b0[4], b1[4];
+    ldsm_x4(b0, ks + tile_off(b_tok, 4 * m + b_chunk));
+    ldsm_x4(b1, ks + tile_off(b_tok + 8, 4 * m + b_chunk));
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       uint32_t a0[4], a1[4];
       ldsm_x4(a0, qs + tile_off(16 * r + a_row, 4 * m + a_chunk));
       ldsm_x4(a1, qs + tile_off(16 * r + a_row, 4 * m + 2 + a_chunk));
-      mma_f16_16816(s[r], a0, b[0], b[1]);
-      mma_f16_16816(s[r], a1, b[2], b[3]);
+      mma_f16_16816(sa[r][0], a0, b0[0], b0[1]);
+      mma_f16_16816(sa[r][1], a0, b1[0], b1[1]);
+      mma_f16_16816(sb[r][0], a1, b0[2], b0[3]);
+      mma_f16_16816(sb[r][1], a1, b1[2], b1[3]);
     }
   }
 
-  // Mask (token 8w + 2t + (e & 1): bit 2t + (e & 1) of mask word w), log2 domain, this warp's row maxima.
-  const uint32_t vw = reinterpret_cast<const uint32_t*>(smem + kSmemValid)[8 * buf + w] >> (2 * t);
+  // Mask (token 16w + 8j + 2t + (e & 1): bit 2t + (e & 1) of mask word 2w + j), log2 domain, row maxima.
+  const uint32_t* vws = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf + 2 * w;
+  const uint32_t vw[2] = {vws[0] >> (2 * t), vws[1] >> (2 * t)};
   const float ninf = -finf();
+  float (&s)[R][2][4] = sa;  // the scores, in place
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[r][e] = ((vw >> (e & 1)) & 1u) ? s[r][e] * scale_log2 : ninf;
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[r][j][e] = ((vw[j] >> (e & 1)) & 1u) ? (sa[r][j][e] + sb[r][j][e]) * scale_log2 : ninf;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      float v = fmaxf(s[r][2 * hr], s[r][2 * hr + 1]);
+      float v = fmaxf(fmaxf(s[r][0][2 * hr], s[r][0][2 * hr + 1]), fmaxf(s[r][1][2 * hr], s[r][1][2 * hr + 1]));
       v = fmaxf(v, shfl_xor_f32(v, 1));
       v = fmaxf(v, shfl_xor_f32(v, 2));
-      if (t == 0) rmax[w * kNarrowMaxRows + 16 * r + g + 8 * hr] = v;
+      if (t == 0) rmax[w * kNarrowMaxHeads + 16 * r + g + 8 * hr] = v;
     }
   }
-  bar_sync(kBarConsumers, kConsumerThreads);  // B1
+  narrow_sync();  // B1
 
   // Every warp derives the same maximum, base and alpha for a row (the same values in the same order).
   float alpha[R][2];
@@ -124,19 +164,24 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAcc<R>& acc, float sca
       const int row = 16 * r + g + 8 * hr;
       float mt = rmax[row];
 #pragma unroll
-      for (int j = 1; j < kConsumerWarps; ++j) mt = fmaxf(mt, rmax[j * kNarrowMaxRows + row]);
+      for (int k = 1; k < kNarrowConsumerWarps; ++k) mt = fmaxf(mt, rmax[k * kNarrowMaxHeads + row]);
       acc.mtrue[r][hr] = fmaxf(acc.mtrue[r][hr], mt);
       const bool move = mt > acc.m[r][hr] + kLazyLog2;
       const float mnew = move ? mt : acc.m[r][hr];
       const float base = (mnew == -finf()) ? 0.f : mnew;
       alpha[r][hr] = move ? fexp2(acc.m[r][hr] - base) : 1.f;
       acc.m[r][hr] = mnew;
-      const float p0 = fexp2(s[r][2 * hr] - base), p1 = fexp2(s[r][2 * hr + 1] - base);
-      acc.l[r][hr] = acc.l[r][hr] * alpha[r][hr] + (p0 + p1);
-      // P row `row`, tokens 8w + 2t, +1: chunk w of the [64][64] f16 P tile
-      *reinterpret_cast<uint32_t*>(ps + swz128(row, w) + 4 * t) = pack_f16x2(p0, p1);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float p0 = fexp2(s[r][j][2 * hr] - base), p1 = fexp2(s[r][j][2 * hr + 1] - base);
+        sum += p0 + p1;
+        // P row `row`, tokens 16w + 8j + 2t, +1: chunk 2w + j of the [64][64] f16 P tile
+        *reinterpret_cast<uint32_t*>(ps + swz128(row, 2 * w + j) + 4 * t) = pack_f16x2(p0, p1);
+      }
+      acc.l[r][hr] = acc.l[r][hr] * alpha[r][hr] + sum;
     }
-  bar_sync(kBarConsumers, kConsumerThreads);  // B2: all of P written
+  narrow_sync();  // B2: all of P written
 
   bool moved = false;
 #pragma unroll
@@ -145,23 +190,24 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAcc<R>& acc, float sca
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
+      for (int n = 0; n < 16; ++n) {
         acc.o[r][n][0] *= alpha[r][0];
         acc.o[r][n][1] *= alpha[r][0];
         acc.o[r][n][2] *= alpha[r][1];
         acc.o[r][n][3] *= alpha[r][1];
       }
   }
-  // O[:, 64w..] += P V: V via ldmatrix.x4.trans as consume_tile_mma_sync's.
+  // O[:, 128w..] += P V: V via ldmatrix.x4.trans (matrix i = lane / 8: tokens 16kk + 8 (i & 1) + 0..7,
+  // dims chunk 16w + 2np + (i >> 1)) -> {b_lo, b_hi} of n-tile 2np, then of n-tile 2np + 1.
   const int v_tok = (lane & 7) + (((lane >> 3) & 1) << 3);
-  const int v_chunk = 8 * w + (lane >> 4);
+  const int v_chunk = (kNarrowDimsPerWarp / 8) * w + (lane >> 4);
 #pragma unroll
   for (int kk = 0; kk < kTileTokens / 16; ++kk) {
     uint32_t ph[R][4];
 #pragma unroll
     for (int r = 0; r < R; ++r) ldsm_x4(ph[r], ps + swz128(16 * r + (lane & 15), 2 * kk + (lane >> 4)));
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
+    for (int np = 0; np < 8; ++np) {
       uint32_t vb[4];
       ldsm_x4_trans(vb, ks + tile_off(16 * kk + v_tok, v_chunk + 2 * np));
 #pragma unroll
@@ -180,7 +226,6 @@ DEVFN void narrow_publish_stats(char* smem, const NarrowAcc<R>& acc, int w, int 
   const int g = lane >> 2, t = lane & 3;
   float* lsum = reinterpret_cast<float*>(smem + kSmemNarrowL);
   float* mfin = reinterpret_cast<float*>(smem + kSmemMfin);
-  float* mtrue = reinterpret_cast<float*>(smem + kSmemMtrue);
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -190,27 +235,24 @@ DEVFN void narrow_publish_stats(char* smem, const NarrowAcc<R>& acc, int w, int 
       l += shfl_xor_f32(l, 2);
       const int row = 16 * r + g + 8 * hr;
       if (t == 0) {
-        lsum[w * kNarrowMaxRows + row] = l;
-        if (w == 0) {
-          mfin[row] = acc.m[r][hr];
-          mtrue[row] = acc.mtrue[r][hr];
-        }
+        lsum[w * kNarrowMaxHeads + row] = l;
+        if (w == 0) mfin[row] = acc.m[r][hr];
       }
     }
-  bar_sync(kBarConsumers, kConsumerThreads);  // B3
+  narrow_sync();  // B3
 }
 
 DEVFN float narrow_row_sum(const char* smem, int row) {
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemNarrowL);
   float L = 0.f;
 #pragma unroll
-  for (int j = 0; j < kConsumerWarps; ++j) L += lsum[j * kNarrowMaxRows + row];  // fixed order
+  for (int k = 0; k < kNarrowConsumerWarps; ++k) L += lsum[k * kNarrowMaxHeads + row];  // fixed order
   return L;
 }
 
-// Final epilogue of a one-piece request: out bf16 = O * factor, lse (natural; +inf if empty).
+// Final epilogue of a one-piece request: out bf16 = O * factor, lse (natural; +inf if empty); rows < h_q.
 template <int R>
-DEVFN void narrow_write_final(const char* smem, const NarrowAcc<R>& acc, int w, int lane, uint16_t* orow0,
+DEVFN void narrow_write_final(const char* smem, const NarrowAcc<R>& acc, int h_q, int w, int lane, uint16_t* orow0,
                               float* lse0, const float* sink0) {
   const int g = lane >> 2, t = lane & 3;
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
@@ -219,6 +261,7 @@ DEVFN void narrow_write_final(const char* smem, const NarrowAcc<R>& acc, int w, 
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = 16 * r + g + 8 * hr;
+      if (row >= h_q) continue;
       const float L = narrow_row_sum(smem, row);
       float factor = 0.f, lse_nat = finf();
       if (L > 0.f) {
@@ -227,18 +270,18 @@ DEVFN void narrow_write_final(const char* smem, const NarrowAcc<R>& acc, int w, 
         factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));
         lse_nat = lse2 * kLn2;
       }
-      uint16_t* orow = orow0 + (int64_t)row * kHeadDim + 64 * w + 2 * t;
+      uint16_t* orow = orow0 + (int64_t)row * kHeadDim + kNarrowDimsPerWarp * w + 2 * t;
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 16; ++n)
         *reinterpret_cast<uint32_t*>(orow + 8 * n) =
             pack_bf16x2(acc.o[r][n][2 * hr] * factor, acc.o[r][n][2 * hr + 1] * factor);
       if (w == 0 && t == 0) lse0[row] = lse_nat;
     }
 }
 
-// Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty).
+// Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty); rows < h_q.
 template <int R>
-DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int w, int lane, float* arow0,
+DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int h_q, int w, int lane, float* arow0,
                               float* alse0) {
   const int g = lane >> 2, t = lane & 3;
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
@@ -247,11 +290,12 @@ DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int w, 
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = 16 * r + g + 8 * hr;
+      if (row >= h_q) continue;
       const float L = narrow_row_sum(smem, row);
       const float inv = L > 0.f ? 1.f / L : 0.f;
-      float* arow = arow0 + (int64_t)row * kHeadDim + 64 * w + 2 * t;
+      float* arow = arow0 + (int64_t)row * kHeadDim + kNarrowDimsPerWarp * w + 2 * t;
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
+      for (int n = 0; n < 16; ++n) {
         float2 v;
         v.x = acc.o[r][n][2 * hr] * inv;
         v.y = acc.o[r][n][2 * hr + 1] * inv;
@@ -261,21 +305,41 @@ DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int w, 
     }
 }
 
-template <int R, class C>
-DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int s, int w,
-                                int lane) {
+// The piece of an empty segment (write_empty_piece's, for the narrow CTA's 128 consumer threads and h_q rows).
+DEVFN void narrow_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
+                              int ct) {
+  const int first = ldg_nc_s32(p.num_splits + req);
+  const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
+  const uint4 zero = make_u4(0u, 0u, 0u, 0u);
+  if (pieces <= 1 || p.num_slots <= 1) {
+    uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
+    for (int i = ct; i < p.h_q * kHeadDim / 8; i += kNarrowConsumerThreads) o[i] = zero;
+    if (ct < p.h_q) p.lse[head_row + ct] = finf();
+    return;
+  }
+  const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
+  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t arow = (slot * p.s_q + s) * p.h_q;
+  uint4* o = reinterpret_cast<uint4*>(p.o_accum + arow * kHeadDim);
+  for (int i = ct; i < p.h_q * kHeadDim / 4; i += kNarrowConsumerThreads) o[i] = zero;
+  if (ct < p.h_q) p.lse_accum[arow + ct] = -finf();
+}
+
+template <int R>
+DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const NarrowCrew& crew, int s,
+                                int w, int lane) {
   NarrowAcc<R> acc;
   int tc = 0;
   const int ct = thread_idx();
   for (int req = wk.begin_req; req <= wk.end_req; ++req) {
     const DecodeSeg sg = decode_segment(p, wk, req);
-    const int64_t head_row = ((int64_t)req * p.s_q + s) * p.h_pad;  // row of [b*s_q*h_pad]
+    const int64_t head_row = ((int64_t)req * p.s_q + s) * p.h_q;  // row of [b*s_q*h_q]
     if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
-      write_empty_piece(p, wk, req, s, head_row, 0, ct, 16 * R);
+      narrow_empty_piece(p, wk, req, s, head_row, ct);
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;
-    narrow_load_q<R>(smem, p.q + head_row * kHeadDim, ct);
+    narrow_load_q<R>(smem, p.q + head_row * kHeadDim, p.h_q, ct);
     narrow_reset(acc);
     for (int i = 0; i < ntiles; ++i, ++tc) {
       await_tile(crew, tc, w);
@@ -286,12 +350,12 @@ DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     narrow_publish_stats(smem, acc, w, lane);
     if (pieces <= 1 || p.num_slots <= 1) {
-      narrow_write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.sink);
+      narrow_write_final(smem, acc, p.h_q, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.sink);
     } else {
       const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
       if (slot >= 0 && slot < p.num_slots) {
-        const int64_t arow = (slot * p.s_q + s) * p.h_pad;
-        narrow_write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
+        const int64_t arow = (slot * p.s_q + s) * p.h_q;
+        narrow_write_split(smem, acc, p.h_q, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
       }
     }
     // (the next segment's Q load rewrites the Q region and ends with a barrier; the statistics are read
@@ -304,20 +368,19 @@ template <int R>
 DEVFN void decode_narrow_cta(const DecodeParams& p, char* smem_raw) {
   static_assert(R == 1 || R == 2, "the narrow CTA serves 16 or 32 rows");
   char* smem = align_smem(smem_raw);
-  const auto crew = crew_setup<false, false>(smem);
+  const NarrowCrew crew{0, 0u};
   const int64_t bid = block_idx();
   const int s = (int)(bid % p.s_q);
   const int part = (int)(bid / p.s_q);
   const DecodeWork wk = decode_work(p, part);
   const int w = warp_idx(), lane = lane_idx();
-  if (w >= kConsumerWarps) {
-    setmaxnreg_dec<crew.producer_regs>();
-    decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
+  if (w >= kNarrowConsumerWarps) {
+    setmaxnreg_dec<NarrowCrew::producer_regs>();
+    decode_producers(p, wk, smem, crew, s, w - kNarrowConsumerWarps, lane);
   } else {
-    setmaxnreg_inc<crew.consumer_regs>();
+    setmaxnreg_inc<NarrowCrew::consumer_regs>();
     narrow_consumer_loop<R>(p, wk, smem, crew, s, w, lane);
   }
-  crew_teardown(crew);
 }
 
 }  // namespace dsv41

@@ -41,6 +41,8 @@ struct Crew {
   static constexpr int consumer_regs = split_regs ? kSplitConsumerRegs : kPair ? kPairConsumerRegs : kConsumerRegs;
   static constexpr int full_count = split ? 256 : kThreads;  // FULL b: producers + the consumers waiting
   static constexpr bool wg1_addr = kPair && split;  // warpgroup 1 computes the gather addresses
+  static constexpr int producer_warps = kProducerWarps;  // warps 8..11
+  static constexpr int batches = kPair ? 1 : 2;          // 8-token batches per producer warp and tile
   int rank;       // in the cluster
   uint32_t peer;  // cluster address of the peer's shared-memory base (pairs)
 };
@@ -90,14 +92,14 @@ DEVFN void peer_arrive(const C& c, int bar_off, int lane) {
   if (lane == 0) mbar_arrive(c.peer + (uint32_t)bar_off);
 }
 
-// The tokens of each tile that producer warp pw gathers: [base, base + 8 NB) (NB = 1 in a pair, 2
-// for one CTA; produce_tiles).
+// The tokens of each tile that producer warp pw gathers: [base, base + 8 NB) (NB = C::batches: 1 in a
+// pair and in the narrow CTA's eight producer warps, 2 for one CTA's four; produce_tiles).
 struct Share {
   int base;
 };
 template <class C>
 DEVFN Share producer_share(const C& c, int pw) {
-  return C::ncta == 2 ? Share{kTileTokens / 2 * c.rank + kPairTokensPerWarp * pw} : Share{16 * pw};
+  return C::ncta == 2 ? Share{kTileTokens / 2 * c.rank + kPairTokensPerWarp * pw} : Share{8 * C::batches * pw};
 }
 
 }  // namespace dsv41

@@ -8,6 +8,7 @@ namespace dsv41 {
 
 constexpr int kHeadDim = 512;       // latent: 448 NoPE + 64 RoPE; V = the full latent
 constexpr int kHeadsPerCta = 64;    // heads of one CTA (the JAX wrapper pads h_q to a multiple)
+constexpr int kNarrowMaxHeads = 32; // decode heads the narrow CTA takes unpadded (narrow.cuh: 16 or 32 rows)
 constexpr int kTileTokens = 64;     // tokens of one K/V tile (and one split-plan block)
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerWarps = 4;  // one warpgroup: setmaxnreg needs whole warpgroups
@@ -63,18 +64,21 @@ struct Pool {
 };
 
 struct DecodeParams {
-  const uint16_t* q;         // bf16 [b, s_q, h_pad, 512]
-  const float* sink;         // f32 [h_pad], natural log; nullptr: no sink (-inf)
+  const uint16_t* q;         // bf16 [b, s_q, h_q, 512]
+  const float* sink;         // f32 [h_q], natural log; nullptr: no sink (-inf)
   const int32_t* sched;      // int32 [num_parts, 8] (dsv41_jax.scheduler.plan_decode_splits)
   const int32_t* num_splits; // int32 [b + 1]
-  uint16_t* out;             // bf16 [b, s_q, h_pad, 512]
-  float* lse;                // f32 [b, s_q, h_pad]
-  float* o_accum;            // f32 [num_slots, s_q, h_pad, 512] (num_slots = b + num_parts, or 1: no split-KV)
-  float* lse_accum;          // f32 [num_slots, s_q, h_pad] (log2 domain)
+  uint16_t* out;             // bf16 [b, s_q, h_q, 512]
+  float* lse;                // f32 [b, s_q, h_q]
+  float* o_accum;            // f32 [num_slots, s_q, h_q, 512] (num_slots = b + num_parts, or 1: no split-KV)
+  float* lse_accum;          // f32 [num_slots, s_q, h_q] (log2 domain)
   Pool main;
   Pool extra;
   float scale_log2;          // softmax_scale * log2(e)
-  int32_t b, s_q, h_pad, num_groups, num_parts, has_extra;
+  // h_q: the heads of q, out, lse and the accumulators (their row stride); h_pad: the heads the CTAs compute
+  // (a multiple of 64, = h_q; or the narrow CTA's 16 / 32 rows, h_q <= h_pad, rows past h_q neither read nor
+  // written)
+  int32_t b, s_q, h_q, h_pad, num_groups, num_parts, has_extra;
   int32_t pair;              // 1: CTAs of head groups 2k, 2k+1 run as a 2-CTA cluster sharing the gather
   int32_t num_slots;         // accumulator slots; a piece whose slot lies past them is never written or read
 };

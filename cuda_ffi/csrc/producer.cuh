@@ -408,7 +408,7 @@ template <class C, class Next>
 DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
   const Share sh = producer_share(crew, pw);
   constexpr bool pair = C::ncta == 2;
-  constexpr int NB = pair ? 1 : 2;  // 8-token batches per warp and tile
+  constexpr int NB = C::batches;  // 8-token batches per warp and tile
   constexpr bool gen = C::wg1_addr;
   TileSrc t0 = next();
   TileSrc t1 = next();
@@ -428,7 +428,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   // prefill down (benchmarks/RESULTS.md, "cuda producer lanes"). A pair holds
   // half a bf16 row (BatchT<9>): the second half is loaded inside fill_tile, its latency exposed (the
   // fp8 rows, the decode's case, fit one batch).
-  constexpr bool kEarly = pair;
+  constexpr bool kEarly = NB == 1;  // (a pair, the narrow CTA: the whole share is the first batch)
   BatchT<pair ? 9 : 16> first;
   if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
   int tc = 0;

@@ -46,7 +46,7 @@ int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, 
               }, seed,
               workers, p.pair ? 2 : 1);
   if (p.num_slots > 1) {
-    const int64_t cgrid = (int64_t)p.b * p.s_q * (p.h_pad / 8);
+    const int64_t cgrid = (int64_t)p.b * p.s_q * ((p.h_q + 7) / 8);
     emu::launch(cgrid, dsv41::kCombineThreads, 0, [&p](char*) { dsv41::combine_cta(p); }, seed + 1, workers);
   }
   return 0;
