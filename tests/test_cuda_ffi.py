@@ -536,8 +536,12 @@ def test_handler_checks_name_the_argument(emu):
     call = _decode_call(case)
     args, attrs, results, _ = _ops.prepare_decode(call, _ops.call_plan(call, num_sms=8, planner="jax"))
     bad = list(args)
-    bad[4] = bad[4][:16]  # attn_sink
-    with pytest.raises(ValueError, match=r"attn_sink: expected shape \[64\], got \[16\]"):
+    bad[4] = bad[4][:2]  # attn_sink (the narrow CTA: q's 4 heads as they are)
+    with pytest.raises(ValueError, match=r"attn_sink: expected shape \[4\], got \[2\]"):
+        run_decode_ffi(bad, attrs, results)
+    bad = list(args)
+    bad[0] = jnp.zeros(bad[0].shape[:2] + (40, 512), jnp.bfloat16)  # q: 1..32 heads, or padded to 64
+    with pytest.raises(ValueError, match=r"q: expected 1..32 heads or a multiple of 64, got shape \[3, 2, 40, 512\]"):
         run_decode_ffi(bad, attrs, results)
     bad = list(args)
     bad[2] = bad[2].astype(jnp.float32)  # indices
