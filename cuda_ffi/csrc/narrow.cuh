@@ -7,15 +7,16 @@
 
 namespace dsv41 {
 
-// A 64-row warpgroup MMA would be three quarters padding at 16 heads, and the decode of few heads is
+// A 64-row MMA over the heads would be three quarters padding at 16 heads, and the decode of few heads is
 // bound by the gather, so the narrow CTA moves warps from the tensor work to the gather:
-//   warpgroup 0 (warps 0..3): consumers, warp MMAs (mma.sync m16n8k16) over kRows = 16R rows (heads h_q..
-//   kRows - 1 are zero rows, never written). S: warp w computes the scores of tokens 16w..16w+15 for all
+//   warpgroup 0 (warps 0..3): consumers over kRows = 16R heads (heads h_q..kRows - 1 are zero rows, never
+//   written). sm_90a: warpgroup MMAs with the heads as N (NarrowAccT below); builds without wgmma (sm_100a):
+//   warp MMAs (mma.sync m16n8k16, NarrowAcc): S: warp w computes the scores of tokens 16w..16w+15 for all
 //   rows; the warps exchange row maxima through shared memory (B1) and write P (B2); PV: warp w accumulates
 //   O[:, 128w..128w+127] for all rows. A thread's score rows (16r + g, + 8) are also its O rows, so the
 //   rescale needs no exchange.
-//   warpgroups 1 and 2 (warps 4..11): producers, one 8-token batch each per tile (the single CTA's
-//   produce_tiles with NB = 1), so twice the single 64-head CTA's rows are in flight.
+//   warpgroups 1 and 2 (warps 4..11): producers, one 8-token batch each per tile (produce_tiles_deep: the
+//   L2 prefetch two tiles ahead), so twice the single 64-head CTA's rows are in flight.
 // Tiles, K buffers, validity masks, the FULL / EMPTY hand-off (all 384 threads) and the plan are the
 // decode's; Q and P keep the 64-row layouts of params.h (rows 0..kRows-1 used); the row maxima and the
 // partial row sums live in the exchange region.
@@ -305,6 +306,228 @@ DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int h_q
     }
 }
 
+#if DSV41_WGMMA
+// sm_90a: the same tile with warpgroup MMAs, operands swapped so that the heads are the MMA's N (16 or 32)
+// and the tile's 64 tokens (S) or 64 dims (PV) its M:
+//   S^T = K Q^T: m64nNk16 x 32 k-steps, A = the K tile (K-major), B = Q (K-major, N rows);
+//   column maxima over the tokens: shuffles over the 8 row groups of a warp, then the 4 warps (B1);
+//   P = 2^(S - base) stored as [heads][tokens] (P tile, B2);
+//   O^T += V^T P^T: per 64-dim block i, m64nNk16 x 4 token steps, A = the K tile read MN-major (transpose
+//   bit), B = P (K-major).
+// Fragments (m64nNk16 accumulator of warp w, g = lane / 4, t = lane % 4): S^T s[4n + e] = token 16w + g +
+// 8 (e >> 1), head 8n + 2t + (e & 1); O^T o[i][4n + e] = dim 64i + 16w + g + 8 (e >> 1), same head. A thread's
+// heads are the same in both, so alpha needs no exchange.
+template <int R>
+struct NarrowAccT {
+  static constexpr int N = 16 * R;  // heads (the MMAs' N)
+  float o[8][N / 2];
+  float m[N / 8][2], l[N / 8][2], mtrue[N / 8][2];  // head 8n + 2t + c: base, this thread's row sums, maximum
+};
+
+template <int R>
+DEVFN void narrow_reset(NarrowAccT<R>& a) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int k = 0; k < NarrowAccT<R>::N / 2; ++k) a.o[i][k] = 0.f;
+#pragma unroll
+  for (int n = 0; n < NarrowAccT<R>::N / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      a.m[n][c] = a.mtrue[n][c] = -finf();
+      a.l[n][c] = 0.f;
+    }
+}
+
+template <int R, bool kTa>
+DEVFN void narrow_wgmma(float* d, uint64_t da, uint64_t db) {
+  if constexpr (R == 1) wgmma_m64n16k16_f16<kTa>(d, da, db);
+  else wgmma_m64n32k16_f16<kTa>(d, da, db);
+}
+
+// Column c of an S^T column pair: its maximum over the warp's 16 tokens (2 per thread, 8 row groups).
+DEVFN float narrow_col_max(float a, float b) {
+  float v = fmaxf(a, b);
+  v = fmaxf(v, shfl_xor_f32(v, 4));
+  v = fmaxf(v, shfl_xor_f32(v, 8));
+  return fmaxf(v, shfl_xor_f32(v, 16));
+}
+DEVFN float narrow_col_sum(float v) {
+  v += shfl_xor_f32(v, 4);
+  v += shfl_xor_f32(v, 8);
+  return v + shfl_xor_f32(v, 16);
+}
+
+template <int R>
+DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAccT<R>& acc, float scale_log2, int w, int lane) {
+  constexpr int N = NarrowAccT<R>::N;
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
+  char* ps = smem + kSmemP + buf * kSmemPBytes;
+  float* rmax = reinterpret_cast<float*>(smem + kSmemNarrowMax);
+  const uint64_t kd = wgmma_desc(ka, 16, 1024);
+  const uint64_t qd = opaque_u64(wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024));
+  float s[N / 2];
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) s[k] = 0.f;
+  reg_fence<N / 2>(s);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const uint32_t koff = kstep_off(ks);
+    narrow_wgmma<R, false>(s, wgmma_desc_add(kd, koff), wgmma_desc_add(qd, koff));
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence<N / 2>(s);
+
+  // Mask (tokens 16w + g: bit g of mask word 2w; + 8: of word 2w + 1), log2 domain, column maxima.
+  const uint32_t* vws = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf + 2 * w;
+  const bool valid[2] = {((vws[0] >> g) & 1u) != 0u, ((vws[1] >> g) & 1u) != 0u};
+  const float ninf = -finf();
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * n + e] = valid[e >> 1] ? s[4 * n + e] * scale_log2 : ninf;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float v = narrow_col_max(s[4 * n + c], s[4 * n + 2 + c]);
+      if (g == 0) rmax[w * kNarrowMaxHeads + 8 * n + 2 * t + c] = v;
+    }
+  }
+  narrow_sync();  // B1
+
+  float alpha[N / 8][2];
+  const int tok0 = 16 * w + g;
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int head = 8 * n + 2 * t + c;
+      float mt = rmax[head];
+#pragma unroll
+      for (int k = 1; k < kNarrowConsumerWarps; ++k) mt = fmaxf(mt, rmax[k * kNarrowMaxHeads + head]);
+      acc.mtrue[n][c] = fmaxf(acc.mtrue[n][c], mt);
+      const bool move = mt > acc.m[n][c] + kLazyLog2;
+      const float mnew = move ? mt : acc.m[n][c];
+      const float base = (mnew == -finf()) ? 0.f : mnew;
+      alpha[n][c] = move ? fexp2(acc.m[n][c] - base) : 1.f;
+      acc.m[n][c] = mnew;
+      const float p0 = fexp2(s[4 * n + c] - base), p1 = fexp2(s[4 * n + 2 + c] - base);
+      acc.l[n][c] = acc.l[n][c] * alpha[n][c] + (p0 + p1);
+      // P [head][token] (f16): tokens tok0 and tok0 + 8, chunks 2w and 2w + 1 of row `head`
+      const uint32_t pk = pack_f16x2(p0, p1);
+      *reinterpret_cast<uint16_t*>(ps + swz128(head, 2 * w) + 2 * g) = (uint16_t)(pk & 0xffffu);
+      *reinterpret_cast<uint16_t*>(ps + swz128(head, 2 * w + 1) + 2 * g) = (uint16_t)(pk >> 16);
+    }
+  (void)tok0;
+  fence_proxy_async();
+  narrow_sync();  // B2: all of P written
+
+  bool moved = false;
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n) moved |= alpha[n][0] != 1.f || alpha[n][1] != 1.f;
+  if (ballot(moved) != 0u) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc.o[i][4 * n + e] *= alpha[n][e & 1];
+  }
+  const uint64_t pd = wgmma_desc(smem_addr(ps), 16, 1024);
+  reg_fence<8 * N / 2>(&acc.o[0][0]);
+  wgmma_fence();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint64_t vd = wgmma_desc(ka + 8192u * i, 8192, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kTileTokens / 16; ++kk)
+      narrow_wgmma<R, true>(acc.o[i], wgmma_desc_add(vd, 16u * 128u * kk), wgmma_desc_add(pd, 32u * kk));
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence<8 * N / 2>(&acc.o[0][0]);
+}
+
+template <int R>
+DEVFN void narrow_publish_stats(char* smem, const NarrowAccT<R>& acc, int w, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float* lsum = reinterpret_cast<float*>(smem + kSmemNarrowL);
+  float* mfin = reinterpret_cast<float*>(smem + kSmemMfin);
+#pragma unroll
+  for (int n = 0; n < NarrowAccT<R>::N / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float l = narrow_col_sum(acc.l[n][c]);
+      const int head = 8 * n + 2 * t + c;
+      if (g == 0) {
+        lsum[w * kNarrowMaxHeads + head] = l;
+        if (w == 0) mfin[head] = acc.m[n][c];
+      }
+    }
+  narrow_sync();  // B3
+}
+
+template <int R>
+DEVFN void narrow_write_final(const char* smem, const NarrowAccT<R>& acc, int h_q, int w, int lane, uint16_t* orow0,
+                              float* lse0, const float* sink0) {
+  const int g = lane >> 2, t = lane & 3;
+  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
+#pragma unroll
+  for (int n = 0; n < NarrowAccT<R>::N / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int head = 8 * n + 2 * t + c;
+      if (head >= h_q) continue;
+      const float L = narrow_row_sum(smem, head);
+      float factor = 0.f, lse_nat = finf();
+      if (L > 0.f) {
+        const float lse2 = mfin[head] + flog2(L);
+        const float sink2 = sink0 ? ldg_nc_f32(sink0 + head) * kLog2e : -finf();
+        factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));
+        lse_nat = lse2 * kLn2;
+      }
+      uint16_t* orow = orow0 + (int64_t)head * kHeadDim + 16 * w + g;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t pk = pack_bf16x2(acc.o[i][4 * n + c] * factor, acc.o[i][4 * n + 2 + c] * factor);
+        orow[64 * i] = (uint16_t)(pk & 0xffffu);
+        orow[64 * i + 8] = (uint16_t)(pk >> 16);
+      }
+      if (w == 0 && g == 0) lse0[head] = lse_nat;
+    }
+}
+
+template <int R>
+DEVFN void narrow_write_split(const char* smem, const NarrowAccT<R>& acc, int h_q, int w, int lane, float* arow0,
+                              float* alse0) {
+  const int g = lane >> 2, t = lane & 3;
+  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
+#pragma unroll
+  for (int n = 0; n < NarrowAccT<R>::N / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int head = 8 * n + 2 * t + c;
+      if (head >= h_q) continue;
+      const float L = narrow_row_sum(smem, head);
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      float* arow = arow0 + (int64_t)head * kHeadDim + 16 * w + g;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        arow[64 * i] = acc.o[i][4 * n + c] * inv;
+        arow[64 * i + 8] = acc.o[i][4 * n + 2 + c] * inv;
+      }
+      if (w == 0 && g == 0) alse0[head] = L > 0.f ? mfin[head] + flog2(L) : -finf();
+    }
+}
+template <int R>
+using NarrowAccOf = NarrowAccT<R>;
+#else
+template <int R>
+using NarrowAccOf = NarrowAcc<R>;
+#endif
+
 // The piece of an empty segment (write_empty_piece's, for the narrow CTA's 128 consumer threads and h_q rows).
 DEVFN void narrow_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
                               int ct) {
@@ -328,7 +551,7 @@ DEVFN void narrow_empty_piece(const DecodeParams& p, const DecodeWork& wk, int r
 template <int R>
 DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const NarrowCrew& crew, int s,
                                 int w, int lane) {
-  NarrowAcc<R> acc;
+  NarrowAccOf<R> acc;
   int tc = 0;
   const int ct = thread_idx();
   for (int req = wk.begin_req; req <= wk.end_req; ++req) {
@@ -376,7 +599,9 @@ DEVFN void decode_narrow_cta(const DecodeParams& p, char* smem_raw) {
   const int w = warp_idx(), lane = lane_idx();
   if (w >= kNarrowConsumerWarps) {
     setmaxnreg_dec<NarrowCrew::producer_regs>();
-    decode_producers(p, wk, smem, crew, s, w - kNarrowConsumerWarps, lane);
+    TileCursor cur(p, wk, s);
+    produce_tiles_deep(smem, crew, Pools{&p.main, &p.extra}, w - kNarrowConsumerWarps, lane,
+                       [&]() -> TileSrc { return cur.next(); });
   } else {
     setmaxnreg_inc<NarrowCrew::consumer_regs>();
     narrow_consumer_loop<R>(p, wk, smem, crew, s, w, lane);

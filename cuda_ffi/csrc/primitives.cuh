@@ -652,6 +652,27 @@ DEVFN void wgmma_m64n64k16(float* d, uint64_t da, uint64_t db) {
   else DSV41_WGMMA_M64N64K16("f16");
 }
 #undef DSV41_WGMMA_M64N64K16
+// d[8] += A[64x16] * B[16x16] (B K-major: 16 rows of n); kTa: A MN-major (transpose bit set: rows of A are
+// 64 contiguous m per 128-B row of the layout, k along the rows), else K-major. f16 only (the narrow CTA).
+template <bool kTa>
+DEVFN void wgmma_m64n16k16_f16(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, %11, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(da), "l"(db), "r"(1), "n"(kTa ? 1 : 0));
+}
+// d[16] += A[64x16] * B[16x32] (B K-major), A as wgmma_m64n16k16_f16's.
+template <bool kTa>
+DEVFN void wgmma_m64n32k16_f16(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+      "%16, %17, p, 1, 1, %19, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(1), "n"(kTa ? 1 : 0));
+}
 // d[128] += A[64x16] (K-major) * B[16x256] (MN-major: transpose bit set)
 #define DSV41_WGMMA_M64N256K16_TB(TY) \
   asm volatile( \
@@ -697,6 +718,10 @@ template <bool kBf16 = false>
 DEVFN void wgmma_m64n256k16_tb(float*, uint64_t, uint64_t) { __trap(); }
 template <bool kBf16 = false>
 DEVFN void wgmma_m64n256k16_rs_tb(float*, const uint32_t (&)[4], uint64_t) { __trap(); }
+template <bool kTa>
+DEVFN void wgmma_m64n16k16_f16(float*, uint64_t, uint64_t) { __trap(); }
+template <bool kTa>
+DEVFN void wgmma_m64n32k16_f16(float*, uint64_t, uint64_t) { __trap(); }
 #else
 namespace wgemu {
 // Byte offset of element (row, col) of an operand described by `desc` (128-byte swizzle).
@@ -722,7 +747,7 @@ inline float elem(uint64_t desc, int row, int col, bool kmajor, bool bf16) {
 }
 // Checksum of the shared-memory bytes one warp's wgmma reads: its 16 rows of A (unless A comes
 // from registers), all of B.
-inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, bool a_reg, int wr) {
+inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, bool a_reg, int wr, bool a_trans = false) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](uint32_t a) {
     uint16_t x;
@@ -731,7 +756,7 @@ inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, bool 
   };
   if (!a_reg)
     for (int r = 16 * wr; r < 16 * wr + 16; ++r)
-      for (int k = 0; k < 16; ++k) mix(elem_addr(da, r, k, true));
+      for (int k = 0; k < 16; ++k) mix(a_trans ? elem_addr(da, k, r, false) : elem_addr(da, r, k, true));
   for (int k = 0; k < 16; ++k)
     for (int c = 0; c < n; ++c) mix(b_trans ? elem_addr(db, k, c, false) : elem_addr(db, c, k, true));
   return h;
@@ -743,7 +768,9 @@ inline uint64_t operand_sum(uint64_t da, uint64_t db, int n, bool b_trans, bool 
 // same accumulator continue from its pending value (in the same group or in an earlier one still in
 // flight, as PTX allows for one shape). areg: A from registers (each lane's four f16x2 words,
 // wgmma_m64n256k16_rs_tb's layout), gathered from the warp's lanes; da is then unused.
-inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans, bool bf16, const uint32_t* areg = nullptr) {
+// a_trans: A MN-major (the transpose bit of A; element (m, k) at the MN-major address of row k, column m).
+inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans, bool bf16, const uint32_t* areg = nullptr,
+                bool a_trans = false) {
   struct In { uint64_t da, db; uint32_t a[4]; } in{areg ? 0 : da, db, {0, 0, 0, 0}};
   if (areg) std::memcpy(in.a, areg, sizeof in.a);
   const int lane = lane_idx(), wr = warp_idx() & 3;
@@ -785,11 +812,13 @@ inline void run(float* d, int n, uint64_t da, uint64_t db, bool b_trans, bool bf
       const int row = 16 * wr + g + 8 * (e >> 1), col = 8 * nb + 2 * t + (e & 1);
       float v = (*acc)[4 * nb + e];
       for (int k = 0; k < 16; ++k)
-        v += (areg ? ar[row - 16 * wr][k] : elem(da, row, k, true, bf16)) *
+        v += (areg ? ar[row - 16 * wr][k] : a_trans ? elem(da, k, row, false, bf16) : elem(da, row, k, true, bf16)) *
              (b_trans ? elem(db, k, col, false, bf16) : elem(db, col, k, true, bf16));
       (*acc)[4 * nb + e] = v;
     }
-  if (lane == 0) grp.reads.push_back({da, db, n, b_trans, areg != nullptr, operand_sum(da, db, n, b_trans, areg != nullptr, wr)});
+  if (lane == 0)
+    grp.reads.push_back(
+        {da, db, n, b_trans, areg != nullptr, a_trans, operand_sum(da, db, n, b_trans, areg != nullptr, wr, a_trans)});
   for (int i = 0; i < n / 2; ++i) d[i] = NAN;
 }
 inline void commit() {  // with no wgmma since the last commit: an empty group (it counts for wait)
@@ -805,7 +834,7 @@ inline void wait(int n_left) {
   while (closed > n_left) {
     auto& g = gs.front();
     for (auto& r : g.reads)
-      if (operand_sum(r.da, r.db, r.n, r.b_trans, r.a_reg, wr) != r.sum)
+      if (operand_sum(r.da, r.db, r.n, r.b_trans, r.a_reg, wr, r.a_trans) != r.sum)
         emu::fail("wgmma: a shared-memory operand changed while the wgmma was in flight");
     for (auto& a : g.acc) {
       bool later = false;  // a later group still in flight accumulates into d: it stays undefined
@@ -832,6 +861,10 @@ template <bool kBf16 = false>
 inline void wgmma_m64n256k16_rs_tb(float* d, const uint32_t (&a)[4], uint64_t db) {
   wgemu::run(d, 256, 0, db, true, kBf16, a);
 }
+template <bool kTa>
+inline void wgmma_m64n16k16_f16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 16, da, db, false, false, nullptr, kTa); }
+template <bool kTa>
+inline void wgmma_m64n32k16_f16(float* d, uint64_t da, uint64_t db) { wgemu::run(d, 32, da, db, false, false, nullptr, kTa); }
 #endif
 #endif
 

@@ -477,6 +477,43 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
+// The same loop one tile deeper, for one CTA whose producer warps gather one batch per tile (NB = 1: the
+// narrow CTA): the indices of tile tc + 3 are loaded, the addresses of tile tc + 2 computed and its rows
+// prefetched into L2, tile tc gathered, and tile tc + 1's batch loaded as soon as tile tc is stored. With
+// one batch per warp the gather of a tile is one load latency, so the L2 prefetch must run a whole tile
+// period ahead of the load it serves: a prefetch one tile ahead would precede its load by one fill only.
+template <class C, class Next>
+DEVFN void produce_tiles_deep(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
+  static_assert(C::ncta == 1 && C::batches == 1 && !C::wg1_addr && !C::split, "one CTA, one batch per warp");
+  const Share sh = producer_share(crew, pw);
+  TileSrc t0 = next(), t1 = next(), t2 = next();
+  TileIdx<1> i2 = tile_index<1>(ps, t2, sh, lane);
+  TileAddr<1> a0 = tile_addr<1>(ps, t0, tile_index<1>(ps, t0, sh, lane), sh, lane);
+  TileAddr<1> a1 = tile_addr<1>(ps, t1, tile_index<1>(ps, t1, sh, lane), sh, lane);
+  tile_prefetch<1>(ps, t1, a1, lane);
+  BatchT<16> first;
+  load_batch(ps, t0, a0, 0, lane, first);
+  int tc = 0;
+  for (; t0.ok; ++tc) {
+    const TileSrc t3 = next();
+    const TileIdx<1> i3 = tile_index<1>(ps, t3, sh, lane);  // consumed one tile later
+    const TileAddr<1> a2 = tile_addr<1>(ps, t2, i2, sh, lane);
+    tile_prefetch<1>(ps, t2, a2, lane);
+    const int buf = tc & 1;
+    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released
+    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);
+    load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)
+    bar_arrive(kBarFull0 + buf, C::full_count);
+    t0 = t1;
+    a0 = a1;
+    t1 = t2;
+    a1 = a2;
+    t2 = t3;
+    i2 = i3;
+  }
+  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+}
+
 // Consumers, before reading tile tc / after their last read of it.
 template <class C>
 DEVFN void await_tile(const C&, int tc, int w) {

@@ -98,6 +98,7 @@ struct Fiber {
     int n;
     bool b_trans;
     bool a_reg;  // A from registers: only B's bytes are summed
+    bool a_trans;  // A MN-major
     uint64_t sum;
   };
   struct WgGroup {
