@@ -39,7 +39,11 @@ _NO_MMA = (
      "  for (int kk = 0; kk < 0; ++kk)\n    wgmma_m64n256k16_tb"),
     ("consumer.cuh", "  for (int kk = 0; kk < kTileTokens / 16; ++kk) {\n    const uint32_t a[4]",
      "  for (int kk = 0; kk < 0; ++kk) {\n    const uint32_t a[4]"),
-    # the narrow CTA's warp MMAs (S and PV)
+    # the narrow CTA's MMAs (S and PV): warpgroup MMAs (sm_90a) and warp MMAs (builds without wgmma)
+    ("narrow.cuh", "  for (int ks = 0; ks < kHeadDim / 16; ++ks) {\n    const uint32_t koff = kstep_off(ks);\n    narrow_wgmma",
+     "  for (int ks = 0; ks < 0; ++ks) {\n    const uint32_t koff = kstep_off(ks);\n    narrow_wgmma"),
+    ("narrow.cuh", "    for (int kk = 0; kk < kTileTokens / 16; ++kk)\n      narrow_wgmma<R, true>",
+     "    for (int kk = 0; kk < 0; ++kk)\n      narrow_wgmma<R, true>"),
     ("narrow.cuh", "  for (int m = 0; m < kHeadDim / 32; ++m) {", "  for (int m = 0; m < 0; ++m) {"),
     ("narrow.cuh", "  for (int kk = 0; kk < kTileTokens / 16; ++kk) {\n    uint32_t ph[R][4];",
      "  for (int kk = 0; kk < 0; ++kk) {\n    uint32_t ph[R][4];"),

@@ -220,6 +220,16 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAcc<R>& acc, float sca
   }
 }
 
+template <int R, class C>
+DEVFN void narrow_consume_tiles(const C& crew, char* smem, int tc0, int n, NarrowAcc<R>& acc, float scale_log2,
+                                int w, int lane) {
+  for (int tc = tc0; tc < tc0 + n; ++tc) {
+    await_tile(crew, tc, w);
+    narrow_consume_tile<R>(smem, tc & 1, acc, scale_log2, w, lane);
+    release_tile(crew, tc, lane);
+  }
+}
+
 // Row statistics of the finished segment: the row sums' shares to shared memory, the maxima (identical in
 // every warp) from warp 0; returns after the consumer barrier (B3).
 template <int R>
@@ -358,19 +368,15 @@ DEVFN float narrow_col_sum(float v) {
   return v + shfl_xor_f32(v, 16);
 }
 
+// S^T of the tile in buffer `buf` into s: issued and committed, not waited for.
 template <int R>
-DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAccT<R>& acc, float scale_log2, int w, int lane) {
-  constexpr int N = NarrowAccT<R>::N;
-  const int g = lane >> 2, t = lane & 3;
+DEVFN void narrow_issue_s(char* smem, int buf, float (&s)[8 * R]) {
   const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
-  char* ps = smem + kSmemP + buf * kSmemPBytes;
-  float* rmax = reinterpret_cast<float*>(smem + kSmemNarrowMax);
   const uint64_t kd = wgmma_desc(ka, 16, 1024);
   const uint64_t qd = opaque_u64(wgmma_desc(smem_addr(smem + kSmemQ), 16, 1024));
-  float s[N / 2];
 #pragma unroll
-  for (int k = 0; k < N / 2; ++k) s[k] = 0.f;
-  reg_fence<N / 2>(s);
+  for (int k = 0; k < 8 * R; ++k) s[k] = 0.f;
+  reg_fence<8 * R>(s);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
@@ -378,9 +384,17 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAccT<R>& acc, float sc
     narrow_wgmma<R, false>(s, wgmma_desc_add(kd, koff), wgmma_desc_add(qd, koff));
   }
   wgmma_commit();
-  wgmma_wait<0>();
-  reg_fence<N / 2>(s);
+}
 
+// The tile's softmax (S^T complete in s): mask, column maxima (B1), the online update, P into the P tile
+// (B2), O rescaled.
+template <int R>
+DEVFN void narrow_softmax(char* smem, int buf, float (&s)[8 * R], NarrowAccT<R>& acc, float scale_log2, int w,
+                          int lane) {
+  constexpr int N = NarrowAccT<R>::N;
+  const int g = lane >> 2, t = lane & 3;
+  char* ps = smem + kSmemP + buf * kSmemPBytes;
+  float* rmax = reinterpret_cast<float*>(smem + kSmemNarrowMax);
   // Mask (tokens 16w + g: bit g of mask word 2w; + 8: of word 2w + 1), log2 domain, column maxima.
   const uint32_t* vws = reinterpret_cast<const uint32_t*>(smem + kSmemValid) + 8 * buf + 2 * w;
   const bool valid[2] = {((vws[0] >> g) & 1u) != 0u, ((vws[1] >> g) & 1u) != 0u};
@@ -398,7 +412,6 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAccT<R>& acc, float sc
   narrow_sync();  // B1
 
   float alpha[N / 8][2];
-  const int tok0 = 16 * w + g;
 #pragma unroll
   for (int n = 0; n < N / 8; ++n)
 #pragma unroll
@@ -415,14 +428,13 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAccT<R>& acc, float sc
       acc.m[n][c] = mnew;
       const float p0 = fexp2(s[4 * n + c] - base), p1 = fexp2(s[4 * n + 2 + c] - base);
       acc.l[n][c] = acc.l[n][c] * alpha[n][c] + (p0 + p1);
-      // P [head][token] (f16): tokens tok0 and tok0 + 8, chunks 2w and 2w + 1 of row `head`
+      // P [head][token] (f16): tokens 16w + g and + 8, chunks 2w and 2w + 1 of row `head`
       const uint32_t pk = pack_f16x2(p0, p1);
       *reinterpret_cast<uint16_t*>(ps + swz128(head, 2 * w) + 2 * g) = (uint16_t)(pk & 0xffffu);
       *reinterpret_cast<uint16_t*>(ps + swz128(head, 2 * w + 1) + 2 * g) = (uint16_t)(pk >> 16);
     }
-  (void)tok0;
   fence_proxy_async();
-  narrow_sync();  // B2: all of P written
+  narrow_sync();  // B2: all of P written (and every thread's B1 reads of rmax done)
 
   bool moved = false;
 #pragma unroll
@@ -435,8 +447,14 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAccT<R>& acc, float sc
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc.o[i][4 * n + e] *= alpha[n][e & 1];
   }
-  const uint64_t pd = wgmma_desc(smem_addr(ps), 16, 1024);
-  reg_fence<8 * N / 2>(&acc.o[0][0]);
+}
+
+// O^T += V^T P^T of the tile in buffer `buf`: issued and committed, not waited for.
+template <int R>
+DEVFN void narrow_issue_pv(char* smem, int buf, NarrowAccT<R>& acc) {
+  const uint32_t ka = smem_addr(smem + kSmemK + buf * kTileBytes);
+  const uint64_t pd = wgmma_desc(smem_addr(smem + kSmemP + buf * kSmemPBytes), 16, 1024);
+  reg_fence<64 * R>(&acc.o[0][0]);
   wgmma_fence();
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -446,8 +464,36 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAccT<R>& acc, float sc
       narrow_wgmma<R, true>(acc.o[i], wgmma_desc_add(vd, 16u * 128u * kk), wgmma_desc_add(pd, 32u * kk));
   }
   wgmma_commit();
+}
+
+// Tiles tc0 .. tc0 + n - 1 of one segment. The next tile's S is issued right behind this tile's PV, so the
+// two overlap on the tensor pipe (and with the wait for the next tile); a tile is released once its PV
+// completed (wait_group 1: the S issued after it may still run).
+template <int R, class C>
+DEVFN void narrow_consume_tiles(const C& crew, char* smem, int tc0, int n, NarrowAccT<R>& acc, float scale_log2,
+                                int w, int lane) {
+  float s[8 * R];
+  await_tile(crew, tc0, w);
+  narrow_issue_s<R>(smem, tc0 & 1, s);
   wgmma_wait<0>();
-  reg_fence<8 * N / 2>(&acc.o[0][0]);
+  reg_fence<8 * R>(s);
+  for (int tc = tc0; tc < tc0 + n; ++tc) {
+    narrow_softmax<R>(smem, tc & 1, s, acc, scale_log2, w, lane);
+    narrow_issue_pv<R>(smem, tc & 1, acc);
+    if (tc + 1 < tc0 + n) {
+      await_tile(crew, tc + 1, w);
+      narrow_issue_s<R>(smem, (tc + 1) & 1, s);
+      wgmma_wait<1>();
+      reg_fence<64 * R>(&acc.o[0][0]);
+      release_tile(crew, tc, lane);
+      wgmma_wait<0>();
+      reg_fence<8 * R>(s);
+    } else {
+      wgmma_wait<0>();
+      reg_fence<64 * R>(&acc.o[0][0]);
+      release_tile(crew, tc, lane);
+    }
+  }
 }
 
 template <int R>
@@ -564,11 +610,8 @@ DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     const int ntiles = sg.blk1 - sg.blk0;
     narrow_load_q<R>(smem, p.q + head_row * kHeadDim, p.h_q, ct);
     narrow_reset(acc);
-    for (int i = 0; i < ntiles; ++i, ++tc) {
-      await_tile(crew, tc, w);
-      narrow_consume_tile<R>(smem, tc & 1, acc, p.scale_log2, w, lane);
-      release_tile(crew, tc, lane);
-    }
+    narrow_consume_tiles<R>(crew, smem, tc, ntiles, acc, p.scale_log2, w, lane);
+    tc += ntiles;
     const int first = ldg_nc_s32(p.num_splits + req);
     const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     narrow_publish_stats(smem, acc, w, lane);
