@@ -94,6 +94,7 @@ DEVFN void narrow_load_q(char* smem, const uint16_t* q, int h_q, int ct) {
     const int c = ct + kNarrowConsumerThreads * i;
     *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
   }
+  fence_proxy_async();  // the warpgroup MMAs read Q through the async proxy (a no-op in builds without them)
   narrow_sync();
 }
 
