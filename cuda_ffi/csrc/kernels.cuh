@@ -10,6 +10,8 @@
 //               2-CTA pair, 32 of them; dequantize fp8 -> f16)
 // setmaxnreg gives the consumer warpgroups 184 registers and the producer warpgroup 128 (a pair,
 // decode's: 200 and 104; one CTA with split consumers, prefill's default: 192 and 120; params.h).
+// Decode of at most 32 heads: the narrow CTA (narrow.cuh), one consumer warpgroup (swapped-operand MMAs:
+// the heads as N) and two producer warpgroups, on q unpadded.
 // Consumers, two shapes (Crew::split): symmetric (consumer.cuh: one CTA's decode, and the sm_100a
 // build's mma.sync path) or FlashMLA's split (consume_tile_split: warpgroup 0 S + softmax + O[:, :256],
 // warpgroup 1 O[:, 256:]; a pair's decode and prefill on sm_90a).

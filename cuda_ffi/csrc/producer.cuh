@@ -428,7 +428,7 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
   // prefill down (benchmarks/RESULTS.md, "cuda producer lanes"). A pair holds
   // half a bf16 row (BatchT<9>): the second half is loaded inside fill_tile, its latency exposed (the
   // fp8 rows, the decode's case, fit one batch).
-  constexpr bool kEarly = NB == 1;  // (a pair, the narrow CTA: the whole share is the first batch)
+  constexpr bool kEarly = pair;
   BatchT<pair ? 9 : 16> first;
   if (kEarly) load_batch(ps, t0, a0, 0, lane, first);
   int tc = 0;
