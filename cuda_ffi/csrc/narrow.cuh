@@ -262,32 +262,45 @@ DEVFN float narrow_row_sum(const char* smem, int row) {
   return L;
 }
 
+// Head `row`'s epilogue factors from the published statistics: the final output's factor
+// 1 / L / (1 + 2^(sink log2 e - lse2)) and natural lse (+inf if empty), the split piece's 1 / L and lse2
+// (-inf if empty).
+struct NarrowRow {
+  float factor, lse_nat, inv, lse2;
+};
+DEVFN NarrowRow narrow_row(const char* smem, int row, const float* sink0) {
+  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
+  const float L = narrow_row_sum(smem, row);
+  NarrowRow f{0.f, finf(), 0.f, -finf()};
+  if (L > 0.f) {
+    f.lse2 = mfin[row] + flog2(L);
+    f.inv = 1.f / L;
+    const float sink2 = sink0 ? ldg_nc_f32(sink0 + row) * kLog2e : -finf();  // (split pieces pass none)
+    f.factor = 1.f / (L * (1.f + fexp2(sink2 - f.lse2)));
+    f.lse_nat = f.lse2 * kLn2;
+  }
+  return f;
+}
+
 // Final epilogue of a one-piece request: out bf16 = O * factor, lse (natural; +inf if empty); rows < h_q.
 template <int R>
 DEVFN void narrow_write_final(const char* smem, const NarrowAcc<R>& acc, int h_q, int w, int lane, uint16_t* orow0,
                               float* lse0, const float* sink0) {
   const int g = lane >> 2, t = lane & 3;
-  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = 16 * r + g + 8 * hr;
       if (row >= h_q) continue;
-      const float L = narrow_row_sum(smem, row);
-      float factor = 0.f, lse_nat = finf();
-      if (L > 0.f) {
-        const float lse2 = mfin[row] + flog2(L);
-        const float sink2 = sink0 ? ldg_nc_f32(sink0 + row) * kLog2e : -finf();
-        factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));
-        lse_nat = lse2 * kLn2;
-      }
+      const NarrowRow fr = narrow_row(smem, row, sink0);
+      const float factor = fr.factor;
       uint16_t* orow = orow0 + (int64_t)row * kHeadDim + kNarrowDimsPerWarp * w + 2 * t;
 #pragma unroll
       for (int n = 0; n < 16; ++n)
         *reinterpret_cast<uint32_t*>(orow + 8 * n) =
             pack_bf16x2(acc.o[r][n][2 * hr] * factor, acc.o[r][n][2 * hr + 1] * factor);
-      if (w == 0 && t == 0) lse0[row] = lse_nat;
+      if (w == 0 && t == 0) lse0[row] = fr.lse_nat;
     }
 }
 
@@ -296,15 +309,14 @@ template <int R>
 DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int h_q, int w, int lane, float* arow0,
                               float* alse0) {
   const int g = lane >> 2, t = lane & 3;
-  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = 16 * r + g + 8 * hr;
       if (row >= h_q) continue;
-      const float L = narrow_row_sum(smem, row);
-      const float inv = L > 0.f ? 1.f / L : 0.f;
+      const NarrowRow fr = narrow_row(smem, row, nullptr);
+      const float inv = fr.inv;
       float* arow = arow0 + (int64_t)row * kHeadDim + kNarrowDimsPerWarp * w + 2 * t;
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
@@ -313,7 +325,7 @@ DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int h_q
         v.y = acc.o[r][n][2 * hr + 1] * inv;
         *reinterpret_cast<float2*>(arow + 8 * n) = v;
       }
-      if (w == 0 && t == 0) alse0[row] = L > 0.f ? mfin[row] + flog2(L) : -finf();
+      if (w == 0 && t == 0) alse0[row] = fr.lse2;
     }
 }
 
@@ -520,21 +532,14 @@ template <int R>
 DEVFN void narrow_write_final(const char* smem, const NarrowAccT<R>& acc, int h_q, int w, int lane, uint16_t* orow0,
                               float* lse0, const float* sink0) {
   const int g = lane >> 2, t = lane & 3;
-  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
 #pragma unroll
   for (int n = 0; n < NarrowAccT<R>::N / 8; ++n)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int head = 8 * n + 2 * t + c;
       if (head >= h_q) continue;
-      const float L = narrow_row_sum(smem, head);
-      float factor = 0.f, lse_nat = finf();
-      if (L > 0.f) {
-        const float lse2 = mfin[head] + flog2(L);
-        const float sink2 = sink0 ? ldg_nc_f32(sink0 + head) * kLog2e : -finf();
-        factor = 1.f / (L * (1.f + fexp2(sink2 - lse2)));
-        lse_nat = lse2 * kLn2;
-      }
+      const NarrowRow fr = narrow_row(smem, head, sink0);
+      const float factor = fr.factor;
       uint16_t* orow = orow0 + (int64_t)head * kHeadDim + 16 * w + g;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -542,7 +547,7 @@ DEVFN void narrow_write_final(const char* smem, const NarrowAccT<R>& acc, int h_
         orow[64 * i] = (uint16_t)(pk & 0xffffu);
         orow[64 * i + 8] = (uint16_t)(pk >> 16);
       }
-      if (w == 0 && g == 0) lse0[head] = lse_nat;
+      if (w == 0 && g == 0) lse0[head] = fr.lse_nat;
     }
 }
 
@@ -550,22 +555,21 @@ template <int R>
 DEVFN void narrow_write_split(const char* smem, const NarrowAccT<R>& acc, int h_q, int w, int lane, float* arow0,
                               float* alse0) {
   const int g = lane >> 2, t = lane & 3;
-  const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
 #pragma unroll
   for (int n = 0; n < NarrowAccT<R>::N / 8; ++n)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int head = 8 * n + 2 * t + c;
       if (head >= h_q) continue;
-      const float L = narrow_row_sum(smem, head);
-      const float inv = L > 0.f ? 1.f / L : 0.f;
+      const NarrowRow fr = narrow_row(smem, head, nullptr);
+      const float inv = fr.inv;
       float* arow = arow0 + (int64_t)head * kHeadDim + 16 * w + g;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         arow[64 * i] = acc.o[i][4 * n + c] * inv;
         arow[64 * i + 8] = acc.o[i][4 * n + 2 + c] * inv;
       }
-      if (w == 0 && g == 0) alse0[head] = L > 0.f ? mfin[head] + flog2(L) : -finf();
+      if (w == 0 && g == 0) alse0[head] = fr.lse2;
     }
 }
 template <int R>
