@@ -25,7 +25,7 @@ import numpy as np
 from dsv41_jax import kv_cache as kvc
 
 __all__ = ["DecodeCase", "PrefillCase", "DECODE_CASES", "PREFILL_CASES", "FEW_HEAD_DECODE_CASES",
-           "FEW_HEAD_PREFILL_CASES", "decode_inputs", "prefill_inputs", "random_fp8_cache"]
+           "FEW_HEAD_PREFILL_CASES", "CASE_GROUPS", "select_cases", "decode_inputs", "prefill_inputs", "random_fp8_cache"]
 
 SOFTMAX_SCALE = 512 ** -0.55
 
@@ -80,6 +80,18 @@ PREFILL_CASES = tuple(PrefillCase(64, 512, s) for s in (8192, 32768, 65536)) + t
 FEW_HEAD_DECODE_CASES = tuple(DecodeCase(b, h, 128, 256, 16384, 512, 64, 16384)
                               for b in (64, 128, 256) for h in (8, 16, 32, 64))
 FEW_HEAD_PREFILL_CASES = tuple(PrefillCase(h, 512, 32768) for h in (8, 16))
+CASE_GROUPS = {"decode": DECODE_CASES, "prefill": PREFILL_CASES,
+               "few_heads": FEW_HEAD_DECODE_CASES + FEW_HEAD_PREFILL_CASES}
+
+
+def select_cases(spec: str) -> list:
+    """The cases `spec` names (comma-separated case names and groups of CASE_GROUPS), in the groups' order,
+    each case once."""
+    wanted = set(spec.split(","))
+    cases = []
+    for group, members in CASE_GROUPS.items():
+        cases += [c for c in members if (group in wanted or c.name in wanted) and c not in cases]
+    return cases
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

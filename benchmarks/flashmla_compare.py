@@ -174,11 +174,7 @@ def main(argv=None) -> int:
         import flash_mla  # noqa: F401
     except ImportError as e:
         ap.error(f"FlashMLA is not importable ({e}); build it on the GPU machine first")
-    wanted = set(args.cases.split(","))
-    cases = [c for c in F.DECODE_CASES if "decode" in wanted or c.name in wanted]
-    cases += [c for c in F.PREFILL_CASES if "prefill" in wanted or c.name in wanted]
-    if "few_heads" in wanted:  # FEW_HEAD_*: FlashMLA padded to 64 heads
-        cases += [c for c in F.FEW_HEAD_DECODE_CASES + F.FEW_HEAD_PREFILL_CASES if c not in cases]
+    cases = F.select_cases(args.cases)  # (few_heads: FlashMLA on q padded to 64 heads)
     device = jax.devices()[0].device_kind
     copy_bw = copy_gbps()
     print(f"# measured copy bandwidth {copy_bw:.0f} GB/s (read + write of 1 GiB)")

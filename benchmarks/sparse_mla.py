@@ -284,11 +284,7 @@ def run_flashmla_case(case, impl: str, iterations: int, breakdown: bool = False,
 def _flashmla_suite(args, impls) -> list[dict]:
     from benchmarks import flashmla_cases as F
 
-    wanted = set(args.cases.split(","))
-    cases = [c for c in F.DECODE_CASES if "decode" in wanted or c.name in wanted]
-    cases += [c for c in F.PREFILL_CASES if "prefill" in wanted or c.name in wanted]
-    cases += [c for c in F.FEW_HEAD_DECODE_CASES + F.FEW_HEAD_PREFILL_CASES
-              if ("few_heads" in wanted or c.name in wanted) and c not in cases]
+    cases = F.select_cases(args.cases)
     results = []
     for c in cases:
         for impl in impls:

@@ -58,16 +58,20 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
   bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-// Online-softmax update of row hr (this tile's maximum mt, log2 domain) with the lazy base: returns
-// the base of P = 2^(S - base) and sets alpha, the factor for the row's O and l.
+// Online-softmax update of one row's lazy base m by this tile's maximum mt (log2 domain): returns the
+// base of P = 2^(S - base) and sets alpha, the factor for the row's O and l.
+DEVFN float lazy_base_update(float& m, float mt, float& alpha) {
+  const bool move = mt > m + kLazyLog2;  // from a -inf base: any finite maximum
+  const float mnew = move ? mt : m;
+  const float base = (mnew == -finf()) ? 0.f : mnew;  // keeps (-inf) - (-inf) out
+  alpha = move ? fexp2(m - base) : 1.f;               // 0 when moving off -inf
+  m = mnew;
+  return base;
+}
+// The same for row hr of acc, and its running maximum (max_logits).
 DEVFN float lazy_row_update(Acc& acc, int hr, float mt, float& alpha) {
   acc.mtrue[hr] = fmaxf(acc.mtrue[hr], mt);
-  const bool move = mt > acc.m[hr] + kLazyLog2;  // from a -inf base: any finite maximum
-  const float mnew = move ? mt : acc.m[hr];
-  const float base = (mnew == -finf()) ? 0.f : mnew;  // keeps (-inf) - (-inf) out
-  alpha = move ? fexp2(acc.m[hr] - base) : 1.f;       // 0 when moving off -inf
-  acc.m[hr] = mnew;
-  return base;
+  return lazy_base_update(acc.m[hr], mt, alpha);
 }
 
 // O *= alpha (rows r0 / r0 + 8 of the wgmma layout), skipped unless a row of the warp moved its base;

@@ -98,24 +98,27 @@ DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* s
 constexpr bool kStagedEpi = kWgmma;
 // The piece of an empty segment (a plan made for longer requests than the call's), so that every slot the plan
 // names holds a value: O = 0, lse2 = -inf into its accumulator slot, or, when the request is one piece, out = 0,
-// lse = +inf. Written by the consumer threads, with no tile.
+// lse = +inf. Written by the kThreadsT consumer threads (ct: this one's index among them), with no tile, for the
+// CTA's `rows` heads from head `head0` (a 64-head group; the narrow CTA's h_q heads from 0) of rows of
+// `heads` heads (h_pad, or the narrow CTA's h_q). head_row: row (request, token) times `heads`, plus head0.
+template <int kThreadsT = kConsumerThreads>
 DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
-                             int group, int ct) {
+                             int64_t heads, int64_t head0, int rows, int ct) {
   const int first = ldg_nc_s32(p.num_splits + req);
   const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
   const uint4 zero = make_u4(0u, 0u, 0u, 0u);
   if (pieces <= 1 || p.num_slots <= 1) {
     uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
-    for (int i = ct; i < kHeadsPerCta * kHeadDim / 8; i += kConsumerThreads) o[i] = zero;
-    if (ct < kHeadsPerCta) p.lse[head_row + ct] = finf();
+    for (int i = ct; i < rows * kHeadDim / 8; i += kThreadsT) o[i] = zero;
+    if (ct < rows) p.lse[head_row + ct] = finf();
     return;
   }
   const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
   if (slot < 0 || slot >= p.num_slots) return;
-  const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
+  const int64_t arow = (slot * p.s_q + s) * heads + head0;
   uint4* o = reinterpret_cast<uint4*>(p.o_accum + arow * kHeadDim);
-  for (int i = ct; i < kHeadsPerCta * kHeadDim / 4; i += kConsumerThreads) o[i] = zero;
-  if (ct < kHeadsPerCta) p.lse_accum[arow + ct] = -finf();
+  for (int i = ct; i < rows * kHeadDim / 4; i += kThreadsT) o[i] = zero;
+  if (ct < rows) p.lse_accum[arow + ct] = -finf();
 }
 
 template <class C, class Side>
@@ -129,7 +132,7 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     const int64_t row = (int64_t)req * p.s_q + s;
     const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
     if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
-      write_empty_piece(p, wk, req, s, head_row, group, ct);
+      write_empty_piece(p, wk, req, s, head_row, p.h_pad, (int64_t)group * kHeadsPerCta, kHeadsPerCta, ct);
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;

@@ -161,12 +161,12 @@ inline std::string row_lengths(const char* name, const TensorView& t, int64_t ro
   return "";
 }
 
-// Decode: q [b, s_q, h, 512] bf16 (h <= 32: the narrow CTA, heads as they are; else h % 64 == 0), kv_cache, indices [b, s_q, topk] int32,
-// topk_length [b] int32 (or [1]: one for all), attn_sink [h_pad] f32 (or [0]: no sink), the split plan
-// tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1] int32 (dsv41_jax.scheduler),
-// extra_* (ignored when has_extra == 0; extra_topk_length may be [1]); results out [b, s_q, h_pad,
-// 512] bf16, lse [b, s_q, h_pad] f32, o_accum [slots, s_q, h_pad, 512] f32 and lse_accum [slots, s_q,
-// h_pad] f32 with slots = b + num_parts, or 1 for a plan without split-KV (no combine runs).
+// Decode: q [b, s_q, h, 512] bf16 (h <= 32: the narrow CTA, heads as they are; else h % 64 == 0),
+// kv_cache, indices [b, s_q, topk] int32, topk_length [b] int32 (or [1]: one for all), attn_sink [h] f32
+// (or [0]: no sink), the split plan tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1]
+// int32 (dsv41_jax.scheduler), extra_* (ignored when has_extra == 0; extra_topk_length may be [1]); results
+// out [b, s_q, h, 512] bf16, lse [b, s_q, h] f32, o_accum [slots, s_q, h, 512] f32 and lse_accum [slots,
+// s_q, h] f32 with slots = b + num_parts, or 1 for a plan without split-KV (no combine runs).
 // Head groups 2k and 2k + 1 of one query row attend to the same tokens: with an even number of
 // groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh).
 inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }
@@ -178,14 +178,14 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
                    &nsplit = in[6], &ekv = in[7], &eidx = in[8], &etl = in[9];
   std::string e;
   if (!(e = expect("q", q, DType::kBF16, 4)).empty()) return e;
-  const int64_t b = q.dims[0], s_q = q.dims[1], h_pad = q.dims[2];
+  const int64_t b = q.dims[0], s_q = q.dims[1], h = q.dims[2];
   if (q.dims[3] != kHeadDim) return cat("q: expected head dim ", kHeadDim, ", got shape ", shape_str(q));
-  const bool narrow = h_pad >= 1 && h_pad <= kNarrowMaxHeads;  // narrow.cuh's CTA: q's heads as they are
-  if (!narrow && (h_pad < kHeadsPerCta || h_pad % kHeadsPerCta))
+  const bool narrow = h >= 1 && h <= kNarrowMaxHeads;  // narrow.cuh's CTA: q's heads as they are
+  if (!narrow && (h < kHeadsPerCta || h % kHeadsPerCta))
     return cat("q: expected 1..", kNarrowMaxHeads, " heads or a multiple of ", kHeadsPerCta, ", got shape ",
                shape_str(q));
   if (b < 1 || s_q < 1) return cat("q: expected b >= 1 and s_q >= 1, got shape ", shape_str(q));
-  if (b >= kMaxI32 / 2 || s_q > 65535 * 64 || h_pad > (1 << 20)) return cat("q: shape too large: ", shape_str(q));
+  if (b >= kMaxI32 / 2 || s_q > 65535 * 64 || h > (1 << 20)) return cat("q: shape too large: ", shape_str(q));
   if (!(softmax_scale == softmax_scale) || softmax_scale == 1.0f / 0.0f || softmax_scale == -1.0f / 0.0f)
     return cat("softmax_scale: expected a finite float, got ", softmax_scale);
   if (has_extra != 0 && has_extra != 1) return cat("has_extra: expected 0 or 1, got ", has_extra);
@@ -202,7 +202,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
     p->extra = p->main;
   }
   if (!(e = expect("attn_sink", sink, DType::kF32, 1)).empty()) return e;
-  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h_pad})).empty())
+  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h})).empty())
     return e + " (pad with -inf; or [0]: no sink)";
   if (!(e = expect("tile_scheduler_metadata", sched, DType::kS32, 2)).empty()) return e;
   if (!(e = expect_dims("tile_scheduler_metadata", sched, {-1, 8})).empty()) return e;
@@ -211,21 +211,21 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (!(e = expect("num_splits", nsplit, DType::kS32, 1)).empty()) return e;
   if (!(e = expect_dims("num_splits", nsplit, {b + 1})).empty()) return e;
   if (!(e = expect("out", out[0], DType::kBF16, 4)).empty()) return e;
-  if (!(e = expect_dims("out", out[0], {b, s_q, h_pad, kHeadDim})).empty()) return e;
+  if (!(e = expect_dims("out", out[0], {b, s_q, h, kHeadDim})).empty()) return e;
   if (!(e = expect("lse", out[1], DType::kF32, 3)).empty()) return e;
-  if (!(e = expect_dims("lse", out[1], {b, s_q, h_pad})).empty()) return e;
+  if (!(e = expect_dims("lse", out[1], {b, s_q, h})).empty()) return e;
   if (!(e = expect("o_accum", out[2], DType::kF32, 4)).empty()) return e;
   const int64_t slots = out[2].dims[0];
   if (slots != 1 && slots != b + parts)
     return cat("o_accum: expected ", b + parts, " slots (b + num_parts) or 1 (a plan without split-KV), got shape ",
                shape_str(out[2]));
-  if (!(e = expect_dims("o_accum", out[2], {slots, s_q, h_pad, kHeadDim})).empty()) return e;
+  if (!(e = expect_dims("o_accum", out[2], {slots, s_q, h, kHeadDim})).empty()) return e;
   if (!(e = expect("lse_accum", out[3], DType::kF32, 3)).empty()) return e;
-  if (!(e = expect_dims("lse_accum", out[3], {slots, s_q, h_pad})).empty()) return e + " (as o_accum)";
-  const int64_t groups = narrow ? 1 : h_pad / kHeadsPerCta;
+  if (!(e = expect_dims("lse_accum", out[3], {slots, s_q, h})).empty()) return e + " (as o_accum)";
+  const int64_t groups = narrow ? 1 : h / kHeadsPerCta;
   const int64_t grid = groups * s_q * parts;
   if (grid > kMaxI32) return cat("decode grid too large: ", grid, " CTAs (head groups * s_q * num_parts)");
-  if (b * s_q * ((h_pad + 7) / 8) > kMaxI32) return cat("combine grid too large for q shape ", shape_str(q));
+  if (b * s_q * ((h + 7) / 8) > kMaxI32) return cat("combine grid too large for q shape ", shape_str(q));
   p->q = static_cast<const uint16_t*>(q.data);
   p->sink = sink.dims[0] ? static_cast<const float*>(sink.data) : nullptr;
   p->sched = static_cast<const int32_t*>(sched.data);
@@ -237,8 +237,8 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->scale_log2 = softmax_scale * 1.4426950408889634f;
   p->b = (int32_t)b;
   p->s_q = (int32_t)s_q;
-  p->h_q = (int32_t)h_pad;
-  p->h_pad = narrow ? (h_pad <= 16 ? 16 : kNarrowMaxHeads) : (int32_t)h_pad;
+  p->h_q = (int32_t)h;
+  p->h_pad = narrow ? (h <= 16 ? 16 : kNarrowMaxHeads) : (int32_t)h;
   p->num_groups = (int32_t)groups;
   p->num_parts = (int32_t)parts;
   p->has_extra = (int32_t)has_extra;

@@ -55,9 +55,8 @@ static_assert(NarrowCrew::producer_warps * 8 * NarrowCrew::batches == kTileToken
 template <int R>
 struct NarrowAcc {
   float o[R][16][4];
-  float m[R][2];      // lazy base of P (kLazyLog2), identical in every warp
-  float l[R][2];      // this thread's share of the row sums (its 4 tokens of every tile)
-  float mtrue[R][2];  // running maximum of S (identical in every warp)
+  float m[R][2];  // lazy base of P (kLazyLog2), identical in every warp
+  float l[R][2];  // this thread's share of the row sums (its 4 tokens of every tile)
 };
 
 template <int R>
@@ -70,7 +69,7 @@ DEVFN void narrow_reset(NarrowAcc<R>& a) {
       for (int e = 0; e < 4; ++e) a.o[r][n][e] = 0.f;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      a.m[r][hr] = a.mtrue[r][hr] = -finf();
+      a.m[r][hr] = -finf();
       a.l[r][hr] = 0.f;
     }
   }
@@ -167,12 +166,7 @@ DEVFN void narrow_consume_tile(char* smem, int buf, NarrowAcc<R>& acc, float sca
       float mt = rmax[row];
 #pragma unroll
       for (int k = 1; k < kNarrowConsumerWarps; ++k) mt = fmaxf(mt, rmax[k * kNarrowMaxHeads + row]);
-      acc.mtrue[r][hr] = fmaxf(acc.mtrue[r][hr], mt);
-      const bool move = mt > acc.m[r][hr] + kLazyLog2;
-      const float mnew = move ? mt : acc.m[r][hr];
-      const float base = (mnew == -finf()) ? 0.f : mnew;
-      alpha[r][hr] = move ? fexp2(acc.m[r][hr] - base) : 1.f;
-      acc.m[r][hr] = mnew;
+      const float base = lazy_base_update(acc.m[r][hr], mt, alpha[r][hr]);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -344,7 +338,7 @@ template <int R>
 struct NarrowAccT {
   static constexpr int N = 16 * R;  // heads (the MMAs' N)
   float o[8][N / 2];
-  float m[N / 8][2], l[N / 8][2], mtrue[N / 8][2];  // head 8n + 2t + c: base, this thread's row sums, maximum
+  float m[N / 8][2], l[N / 8][2];  // head 8n + 2t + c: lazy base, this thread's share of the row sums
 };
 
 template <int R>
@@ -357,7 +351,7 @@ DEVFN void narrow_reset(NarrowAccT<R>& a) {
   for (int n = 0; n < NarrowAccT<R>::N / 8; ++n)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      a.m[n][c] = a.mtrue[n][c] = -finf();
+      a.m[n][c] = -finf();
       a.l[n][c] = 0.f;
     }
 }
@@ -433,12 +427,7 @@ DEVFN void narrow_softmax(char* smem, int buf, float (&s)[8 * R], NarrowAccT<R>&
       float mt = rmax[head];
 #pragma unroll
       for (int k = 1; k < kNarrowConsumerWarps; ++k) mt = fmaxf(mt, rmax[k * kNarrowMaxHeads + head]);
-      acc.mtrue[n][c] = fmaxf(acc.mtrue[n][c], mt);
-      const bool move = mt > acc.m[n][c] + kLazyLog2;
-      const float mnew = move ? mt : acc.m[n][c];
-      const float base = (mnew == -finf()) ? 0.f : mnew;
-      alpha[n][c] = move ? fexp2(acc.m[n][c] - base) : 1.f;
-      acc.m[n][c] = mnew;
+      const float base = lazy_base_update(acc.m[n][c], mt, alpha[n][c]);
       const float p0 = fexp2(s[4 * n + c] - base), p1 = fexp2(s[4 * n + 2 + c] - base);
       acc.l[n][c] = acc.l[n][c] * alpha[n][c] + (p0 + p1);
       // P [head][token] (f16): tokens 16w + g and + 8, chunks 2w and 2w + 1 of row `head`
@@ -579,26 +568,6 @@ template <int R>
 using NarrowAccOf = NarrowAcc<R>;
 #endif
 
-// The piece of an empty segment (write_empty_piece's, for the narrow CTA's 128 consumer threads and h_q rows).
-DEVFN void narrow_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
-                              int ct) {
-  const int first = ldg_nc_s32(p.num_splits + req);
-  const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
-  const uint4 zero = make_u4(0u, 0u, 0u, 0u);
-  if (pieces <= 1 || p.num_slots <= 1) {
-    uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
-    for (int i = ct; i < p.h_q * kHeadDim / 8; i += kNarrowConsumerThreads) o[i] = zero;
-    if (ct < p.h_q) p.lse[head_row + ct] = finf();
-    return;
-  }
-  const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
-  if (slot < 0 || slot >= p.num_slots) return;
-  const int64_t arow = (slot * p.s_q + s) * p.h_q;
-  uint4* o = reinterpret_cast<uint4*>(p.o_accum + arow * kHeadDim);
-  for (int i = ct; i < p.h_q * kHeadDim / 4; i += kNarrowConsumerThreads) o[i] = zero;
-  if (ct < p.h_q) p.lse_accum[arow + ct] = -finf();
-}
-
 template <int R>
 DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const NarrowCrew& crew, int s,
                                 int w, int lane) {
@@ -609,7 +578,7 @@ DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     const DecodeSeg sg = decode_segment(p, wk, req);
     const int64_t head_row = ((int64_t)req * p.s_q + s) * p.h_q;  // row of [b*s_q*h_q]
     if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
-      narrow_empty_piece(p, wk, req, s, head_row, ct);
+      write_empty_piece<kNarrowConsumerThreads>(p, wk, req, s, head_row, p.h_q, 0, p.h_q, ct);
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;
