@@ -205,7 +205,8 @@ CUDA_SPARSE_DSV41 = BackendSpec(
     platforms=("cuda",),
     compute_capability_majors=(9, 10),
     kernel_block_sizes=lambda cc: None,
-    notes="Our CUDA kernels beyond FlashMLA's envelope: bf16 caches and any page size.",
+    notes=("Our CUDA kernels beyond FlashMLA's envelope: bf16 caches, any page size, any head count "
+           "(a decode of 1..32 heads runs unpadded)."),
 )
 
 PALLAS_SPARSE_DSV41 = BackendSpec(
