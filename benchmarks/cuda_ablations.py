@@ -59,6 +59,10 @@ ABLATIONS = {
         ("host_params.h", "inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }",
          "inline int32_t pair_groups(int64_t num_groups) { (void)num_groups; return 0; }"),)),
     "mma_sync": Ablation("sm_100a's mma.sync consumers on sm_90a", force_mma_sync=True),
+    "narrow_one_ahead": Ablation("the narrow CTA's producers with one tile's loads in flight over fp8 pools as well "
+                                 "(produce_tiles_deep instead of produce_tiles_fp8_ring)", (
+        ("narrow.cuh", "    if (p.main.fmt == kFmtFp8DsMla && (!p.has_extra || p.extra.fmt == kFmtFp8DsMla)) {",
+         "    if (false) {"),)),
 }
 
 

@@ -514,6 +514,43 @@ DEVFN void produce_tiles_deep(char* smem, const C& crew, const Pools& ps, int pw
   for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
+// The narrow CTA's loop when both pools are fp8_ds_mla: a batch is then 9 chunks and the scales (38
+// registers), so two fit in a producer's registers and every warp keeps two tiles' loads in flight: tile
+// tc + 2's batch is loaded as soon as tile tc is stored, and its latency overlaps two fills instead of
+// one. The loads themselves run two tiles ahead, so no L2 prefetch: the indices of tile tc + 3 are loaded
+// one tile before its addresses are computed.
+template <class C, class Next>
+DEVFN void produce_tiles_fp8_ring(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
+  static_assert(C::ncta == 1 && C::batches == 1 && !C::wg1_addr && !C::split, "one CTA, one batch per warp");
+  const Share sh = producer_share(crew, pw);
+  TileSrc t0 = next(), t1 = next(), t2 = next();
+  TileIdx<1> i2 = tile_index<1>(ps, t2, sh, lane);
+  TileAddr<1> a0 = tile_addr<1>(ps, t0, tile_index<1>(ps, t0, sh, lane), sh, lane);
+  TileAddr<1> a1 = tile_addr<1>(ps, t1, tile_index<1>(ps, t1, sh, lane), sh, lane);
+  BatchT<9> x, y;  // the batches of tiles tc and tc + 1
+  load_batch(ps, t0, a0, 0, lane, x);
+  load_batch(ps, t1, a1, 0, lane, y);
+  int tc = 0;
+  for (; t0.ok; ++tc) {
+    const TileSrc t3 = next();
+    const TileIdx<1> i3 = tile_index<1>(ps, t3, sh, lane);  // consumed one tile later
+    const TileAddr<1> a2 = tile_addr<1>(ps, t2, i2, sh, lane);
+    const int buf = tc & 1;
+    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released
+    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, x);
+    x = y;
+    load_batch(ps, t2, a2, 0, lane, y);  // (nothing when !t2.ok)
+    bar_arrive(kBarFull0 + buf, C::full_count);
+    t0 = t1;
+    a0 = a1;
+    t1 = t2;
+    a1 = a2;
+    t2 = t3;
+    i2 = i3;
+  }
+  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
+}
+
 // Consumers, before reading tile tc / after their last read of it.
 template <class C>
 DEVFN void await_tile(const C&, int tc, int w) {
