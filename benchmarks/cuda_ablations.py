@@ -49,12 +49,6 @@ _NO_MMA = (
      "  for (int kk = 0; kk < 0; ++kk) {\n    uint32_t ph[R][4];"),
 )
 
-_NARROW_ONE_AHEAD = (
-    ("narrow.cuh", "    if (p.main.fmt == kFmtFp8DsMla && (!p.has_extra || p.extra.fmt == kFmtFp8DsMla)) {",
-     "    if (false) {"),)
-_NARROW_REGS = ("narrow.cuh", "constexpr int kNarrowConsumerRegs = R == 1 ? 184 : 200;")
-_NARROW_REGS_232 = ((*_NARROW_REGS, "constexpr int kNarrowConsumerRegs = 232;"),)
-
 ABLATIONS = {
     "default": Ablation("the product's kernels, built the same way (the reference row)"),
     "no_gather": Ablation("no cache reads and no L2 prefetch (zero rows), everything else unchanged", _NO_GATHER),
@@ -65,12 +59,6 @@ ABLATIONS = {
         ("host_params.h", "inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }",
          "inline int32_t pair_groups(int64_t num_groups) { (void)num_groups; return 0; }"),)),
     "mma_sync": Ablation("sm_100a's mma.sync consumers on sm_90a", force_mma_sync=True),
-    "narrow_one_ahead_232": Ablation("narrow_one_ahead with the consumers at 232 and the producers at 136 registers "
-                                     "for 16 and 32 rows", _NARROW_ONE_AHEAD + _NARROW_REGS_232),
-    "narrow_r1_200": Ablation("the 16-row narrow CTA's consumers at 200 registers, its producers at 152",
-                              ((*_NARROW_REGS, _NARROW_REGS[1].replace("R == 1 ? 184", "R == 1 ? 200")),)),
-    "narrow_one_ahead": Ablation("the narrow CTA's producers with one tile's loads in flight over fp8 pools as well "
-                                 "(produce_tiles_deep instead of produce_tiles_fp8_ring)", _NARROW_ONE_AHEAD),
 }
 
 

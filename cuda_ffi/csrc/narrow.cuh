@@ -15,9 +15,8 @@ namespace dsv41 {
 //   rows; the warps exchange row maxima through shared memory (B1) and write P (B2); PV: warp w accumulates
 //   O[:, 128w..128w+127] for all rows. A thread's score rows (16r + g, + 8) are also its O rows, so the
 //   rescale needs no exchange.
-//   warpgroups 1 and 2 (warps 4..11): producers, one 8-token batch each per tile; over fp8_ds_mla pools
-//   two tiles' batches in flight per warp (produce_tiles_fp8_ring), otherwise one, with the L2 prefetch two
-//   tiles ahead (produce_tiles_deep).
+//   warpgroups 1 and 2 (warps 4..11): producers, one 8-token batch each per tile (produce_tiles_deep: the
+//   L2 prefetch two tiles ahead), so twice the single 64-head CTA's rows are in flight.
 // Tiles, K buffers, validity masks, the FULL / EMPTY hand-off (all 384 threads) and the plan are the
 // decode's; Q and P keep the 64-row layouts of params.h (rows 0..kRows-1 used); the row maxima and the
 // partial row sums live in the exchange region.
@@ -26,16 +25,10 @@ constexpr int kNarrowConsumerThreads = 32 * kNarrowConsumerWarps;  // 128: kBarC
 constexpr int kNarrowProducerWarps = kConsumerWarps + kProducerWarps - kNarrowConsumerWarps;  // 8
 constexpr int kNarrowTokensPerWarp = kTileTokens / kNarrowConsumerWarps;                       // 16 (S)
 constexpr int kNarrowDimsPerWarp = kHeadDim / kNarrowConsumerWarps;                            // 128 (PV)
-// setmaxnreg per warpgroup: 128 consumers x C + 256 producers x P = 384 x 168, C + 2P = 504. The
-// consumers' accumulators grow with R (64 R f32 of O per thread); the producers of fp8 pools hold two
-// batches (produce_tiles_fp8_ring) and take the rest.
-template <int R>
-constexpr int kNarrowConsumerRegs = R == 1 ? 184 : 200;
-template <int R>
-constexpr int kNarrowProducerRegs = (3 * kLaunchRegs - kNarrowConsumerRegs<R>) / 2;
-static_assert(kNarrowConsumerRegs<1> + 2 * kNarrowProducerRegs<1> <= 3 * kLaunchRegs, "setmaxnreg beyond the launch");
-static_assert(kNarrowConsumerRegs<2> + 2 * kNarrowProducerRegs<2> <= 3 * kLaunchRegs, "setmaxnreg beyond the launch");
-static_assert(kNarrowProducerRegs<1> % 8 == 0 && kNarrowProducerRegs<2> % 8 == 0, "setmaxnreg takes multiples of 8");
+// setmaxnreg per warpgroup: 128 consumers x 232 + 256 producers x 136 = 384 x 168.
+constexpr int kNarrowConsumerRegs = 232;
+constexpr int kNarrowProducerRegs = 136;
+static_assert(kNarrowConsumerRegs + 2 * kNarrowProducerRegs <= 3 * kLaunchRegs, "setmaxnreg beyond the launch");
 constexpr int kSmemNarrowMax = kSmemXS;                                                 // f32 [4 warps][32 rows]
 constexpr int kSmemNarrowL = kSmemNarrowMax + kNarrowConsumerWarps * kNarrowMaxHeads * 4;  // f32 [4][32]
 static_assert(kSmemNarrowL + kNarrowConsumerWarps * kNarrowMaxHeads * 4 <= kSmemBytes, "narrow exchange beyond the map");
@@ -51,6 +44,8 @@ struct NarrowCrew {
   static constexpr bool wg1_addr = false;
   static constexpr int producer_warps = kNarrowProducerWarps;
   static constexpr int batches = 1;
+  static constexpr int producer_regs = kNarrowProducerRegs;
+  static constexpr int consumer_regs = kNarrowConsumerRegs;
   int rank;
   uint32_t peer;
 };
@@ -620,17 +615,12 @@ DEVFN void decode_narrow_cta(const DecodeParams& p, char* smem_raw) {
   const DecodeWork wk = decode_work(p, part);
   const int w = warp_idx(), lane = lane_idx();
   if (w >= kNarrowConsumerWarps) {
-    setmaxnreg_dec<kNarrowProducerRegs<R>>();
+    setmaxnreg_dec<NarrowCrew::producer_regs>();
     TileCursor cur(p, wk, s);
-    const Pools ps{&p.main, &p.extra};
-    const auto next = [&]() -> TileSrc { return cur.next(); };
-    if (p.main.fmt == kFmtFp8DsMla && (!p.has_extra || p.extra.fmt == kFmtFp8DsMla)) {
-      produce_tiles_fp8_ring(smem, crew, ps, w - kNarrowConsumerWarps, lane, next);
-    } else {
-      produce_tiles_deep(smem, crew, ps, w - kNarrowConsumerWarps, lane, next);
-    }
+    produce_tiles_deep(smem, crew, Pools{&p.main, &p.extra}, w - kNarrowConsumerWarps, lane,
+                       [&]() -> TileSrc { return cur.next(); });
   } else {
-    setmaxnreg_inc<kNarrowConsumerRegs<R>>();
+    setmaxnreg_inc<NarrowCrew::consumer_regs>();
     narrow_consumer_loop<R>(p, wk, smem, crew, s, w, lane);
   }
 }

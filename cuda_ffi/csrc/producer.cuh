@@ -514,63 +514,6 @@ DEVFN void produce_tiles_deep(char* smem, const C& crew, const Pools& ps, int pw
   for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
-// The narrow CTA's loop when both pools are fp8_ds_mla: a batch is then 9 chunks and the scales (38
-// registers), so two fit in a producer's registers and every warp keeps two tiles' loads in flight: tile
-// tc + 2's batch is loaded as soon as tile tc is stored, and its latency overlaps two fills instead of
-// one. The two batches swap roles every tile (the loop body twice, never a copy of a batch: moving the
-// registers of a batch in flight would wait for its loads). The loads run two tiles ahead, so no L2
-// prefetch: the indices of tile tc + 3 are loaded one tile before its addresses are computed.
-struct Fp8Ring {
-  TileSrc t0, t1, t2;
-  TileAddr<1> a0, a1;
-  TileIdx<1> i2;
-  int tc;
-};
-
-// One tile of the ring: fill tile tc from `cur` (loaded two tiles earlier), then load tile tc + 2 into it.
-template <class C, class Next>
-DEVFN void fp8_ring_step(char* smem, const C& crew, const Pools& ps, const Share& sh, int lane, Next&& next,
-                         Fp8Ring& r, BatchT<9>& cur) {
-  const TileSrc t3 = next();
-  const TileIdx<1> i3 = tile_index<1>(ps, t3, sh, lane);  // consumed one tile later
-  const TileAddr<1> a2 = tile_addr<1>(ps, r.t2, r.i2, sh, lane);
-  const int buf = r.tc & 1;
-  if (r.tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released
-  fill_tile<1>(smem, crew, buf, ps, r.t0, r.a0, sh, lane, cur);
-  load_batch(ps, r.t2, a2, 0, lane, cur);  // (nothing when !t2.ok)
-  bar_arrive(kBarFull0 + buf, C::full_count);
-  r.t0 = r.t1;
-  r.a0 = r.a1;
-  r.t1 = r.t2;
-  r.a1 = a2;
-  r.t2 = t3;
-  r.i2 = i3;
-  ++r.tc;
-}
-
-template <class C, class Next>
-DEVFN void produce_tiles_fp8_ring(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
-  static_assert(C::ncta == 1 && C::batches == 1 && !C::wg1_addr && !C::split, "one CTA, one batch per warp");
-  const Share sh = producer_share(crew, pw);
-  Fp8Ring r;
-  r.t0 = next();
-  r.t1 = next();
-  r.t2 = next();
-  r.i2 = tile_index<1>(ps, r.t2, sh, lane);
-  r.a0 = tile_addr<1>(ps, r.t0, tile_index<1>(ps, r.t0, sh, lane), sh, lane);
-  r.a1 = tile_addr<1>(ps, r.t1, tile_index<1>(ps, r.t1, sh, lane), sh, lane);
-  r.tc = 0;
-  BatchT<9> x, y;  // the batches of the even and the odd tiles
-  load_batch(ps, r.t0, r.a0, 0, lane, x);
-  load_batch(ps, r.t1, r.a1, 0, lane, y);
-  while (r.t0.ok) {
-    fp8_ring_step(smem, crew, ps, sh, lane, next, r, x);
-    if (!r.t0.ok) break;
-    fp8_ring_step(smem, crew, ps, sh, lane, next, r, y);
-  }
-  for (int i = r.tc - 2 < 0 ? 0 : r.tc - 2; i < r.tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
-}
-
 // Consumers, before reading tile tc / after their last read of it.
 template <class C>
 DEVFN void await_tile(const C&, int tc, int w) {
