@@ -25,6 +25,7 @@ import numpy as np
 from dsv41_jax import kv_cache as kvc
 
 __all__ = ["DecodeCase", "PrefillCase", "DECODE_CASES", "PREFILL_CASES", "FEW_HEAD_DECODE_CASES",
+           "HEAD_COUNT_DECODE_CASES", "flashmla_heads",
            "FEW_HEAD_PREFILL_CASES", "CASE_GROUPS", "select_cases", "decode_inputs", "prefill_inputs", "random_fp8_cache"]
 
 SOFTMAX_SCALE = 512 ** -0.55
@@ -80,8 +81,18 @@ PREFILL_CASES = tuple(PrefillCase(64, 512, s) for s in (8192, 32768, 65536)) + t
 FEW_HEAD_DECODE_CASES = tuple(DecodeCase(b, h, 128, 256, 16384, 512, 64, 16384)
                               for b in (64, 128, 256) for h in (8, 16, 32, 64))
 FEW_HEAD_PREFILL_CASES = tuple(PrefillCase(h, 512, 32768) for h in (8, 16))
+# Other head counts at b 128 of the same shape: FlashMLA runs them padded to its nearest head count above
+# (64 for 16..48, 128 for 96).
+HEAD_COUNT_DECODE_CASES = tuple(DecodeCase(128, h, 128, 256, 16384, 512, 64, 16384) for h in (16, 32, 48, 96))
 CASE_GROUPS = {"decode": DECODE_CASES, "prefill": PREFILL_CASES,
-               "few_heads": FEW_HEAD_DECODE_CASES + FEW_HEAD_PREFILL_CASES}
+               "few_heads": FEW_HEAD_DECODE_CASES + FEW_HEAD_PREFILL_CASES, "head_counts": HEAD_COUNT_DECODE_CASES}
+
+
+def flashmla_heads(h_q: int) -> int:
+    """The head count FlashMLA runs a call of h_q heads with: 64 or 128, q padded up to it."""
+    if h_q > 128:
+        raise ValueError(f"h_q: FlashMLA takes at most 128 heads, got {h_q}")
+    return 64 if h_q <= 64 else 128
 
 
 def select_cases(spec: str) -> list:

@@ -103,7 +103,8 @@ def compare_case(case, impl: str, iterations: int, copy_bw: float | None = None)
     decode = isinstance(case, F.DecodeCase)
     x = F.decode_inputs(case) if decode else F.prefill_inputs(case)
     ours = run_flashmla_case(case, impl, iterations, breakdown=True, inputs=x)
-    fx = _padded_heads(x, 64) if case.h_q < 64 else x  # FlashMLA takes 64 or 128 heads
+    fm_heads = F.flashmla_heads(case.h_q)
+    fx = x if fm_heads == case.h_q else _padded_heads(x, fm_heads)
     run = _flashmla_decode(case, fx) if decode else _flashmla_prefill(case, fx)
     buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     holder = {}
@@ -130,7 +131,7 @@ def compare_case(case, impl: str, iterations: int, copy_bw: float | None = None)
     err = float(np.abs(mine - theirs).max() / max(np.abs(theirs).max(), 1e-30))
     res = dict(ours, flashmla_us=fm_us, flashmla_kernels=fm_kernels, speedup=fm_us / ours["us"],
                speedup_noplan=fm_us / ours["us_noplan"] if "us_noplan" in ours else None, rel_err_vs_flashmla=err,
-               flashmla_heads=max(case.h_q, 64), moved_bytes=x["moved_bytes"])
+               flashmla_heads=fm_heads, moved_bytes=x["moved_bytes"])
     if copy_bw:  # the memory bound of what the call moves, at the measured copy bandwidth
         res.update(copy_gbps=copy_bw, bound_us=x["moved_bytes"] / copy_bw / 1e3,
                    frac_copy_bw=x["moved_bytes"] / ours["us"] / 1e3 / copy_bw)
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
         import flash_mla  # noqa: F401
     except ImportError as e:
         ap.error(f"FlashMLA is not importable ({e}); build it on the GPU machine first")
-    cases = F.select_cases(args.cases)  # (few_heads: FlashMLA on q padded to 64 heads)
+    cases = F.select_cases(args.cases)  # (few_heads, head_counts: FlashMLA on q padded to 64 or 128 heads)
     device = jax.devices()[0].device_kind
     copy_bw = copy_gbps()
     print(f"# measured copy bandwidth {copy_bw:.0f} GB/s (read + write of 1 GiB)")

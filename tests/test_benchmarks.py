@@ -84,3 +84,28 @@ def test_benchmark_suites_need_cupti(capsys):
         with pytest.raises(SystemExit):
             sparse_mla.main(["--suite", suite, "--impls", "xla"])
         assert "needs CUPTI timing" in capsys.readouterr().err
+
+
+def test_gather_ceiling_rows_hold_the_attended_records():
+    # benchmarks.gather_ceiling reads each attended record's 576 data bytes as one row of the pool: the rows it
+    # picks must be the records the decode attends (valid entries within the lengths, in the decode's order)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import flashmla_cases as F
+    from benchmarks.gather_ceiling import record_rows
+    from dsv41_jax import kv_cache as kvc
+
+    P, nb = 61, 5
+    cache = F.random_fp8_cache(jax.random.PRNGKey(3), nb, P)
+    rng = np.random.default_rng(3)
+    idx = rng.integers(-1, nb * P, size=(2, 3, 40)).astype(np.int32)
+    lens = np.array([40, 17])
+    rows = record_rows(idx, P, lens)
+    keep = (idx >= 0) & (np.arange(40)[None, None, :] < lens[:, None, None])
+    want = idx[keep]
+    assert rows.shape == want.shape and 0 < rows.size < idx.size
+    records = np.asarray(kvc.unpack_pages(cache, fmt="fp8_ds_mla", block_size=P))
+    pool_rows = np.asarray(cache).reshape(-1, 576)
+    np.testing.assert_array_equal(pool_rows[rows], records.reshape(nb * P, -1)[want, :576])
