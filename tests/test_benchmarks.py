@@ -109,3 +109,27 @@ def test_gather_ceiling_rows_hold_the_attended_records():
     records = np.asarray(kvc.unpack_pages(cache, fmt="fp8_ds_mla", block_size=P))
     pool_rows = np.asarray(cache).reshape(-1, 576)
     np.testing.assert_array_equal(pool_rows[rows], records.reshape(nb * P, -1)[want, :576])
+
+
+def test_narrow_trace_patches_apply_and_summarize(tmp_path):
+    # benchmarks.narrow_trace patches the narrow CTA's loops (they must still match the sources) and reads the
+    # step medians off the stamps: a synthetic timeline with known step lengths gives them back
+    import numpy as np
+
+    from benchmarks import narrow_trace as T
+    from cuda_ffi import build as cbuild
+
+    cbuild.copy_sources(tmp_path / "csrc", T.TRACE_PATCHES)
+    text = (tmp_path / "csrc" / "narrow.cuh").read_text() + (tmp_path / "csrc" / "producer.cuh").read_text()
+    assert text.count("narrow_trace(0,") == 10 and text.count("narrow_trace(1,") == 4
+    tr = np.zeros((8, 2, 256, 8), np.uint32)
+    n, period = 20, 1000
+    t = np.arange(n, dtype=np.int64) * period + 5000
+    c, p = tr[1, 0], tr[1, 1]
+    c[:n, 0], c[:n, 1], c[:n, 2], c[:n, 3], c[:n, 4] = t - 100, t - 40, t, t + 300, t + 350
+    c[:n, 5] = t + period - 30  # PV done 10 cycles after the next tile's FULL was seen, 30 before its S
+    p[:n, 0], p[:n, 1], p[:n, 2] = t - 500, t - 450, t - 100
+    s = T.summarize(tr)
+    assert s["ctas"] == 1 and s["tiles_per_cta"] == n
+    assert (s["full_wait"], s["softmax"], s["pv_issue"], s["period"]) == (60, 300, 50, period)
+    assert (s["pv_tail"], s["s_tail"], s["empty_wait"], s["fill"], s["arrive_loop"]) == (10, 30, 50, 350, 600)
