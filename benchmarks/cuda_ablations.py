@@ -49,6 +49,21 @@ _NO_MMA = (
      "  for (int kk = 0; kk < 0; ++kk) {\n    uint32_t ph[R][4];"),
 )
 
+_NARROW_NO_PREFETCH = (
+    ("producer.cuh", "  tile_prefetch<1>(ps, t1, a1, lane);\n  BatchT<16> first;", "  BatchT<16> first;"),
+    ("producer.cuh", "    tile_prefetch<1>(ps, t2, a2, lane);\n    const int buf = tc & 1;", "    const int buf = tc & 1;"),
+)
+_RECORDS_NO_L1 = (
+    ("producer.cuh", "template <int NB, int NV>\nDEVFN void load_batch(",
+     "DEVFN uint4 ldg_na_v4(const void* p) {\n  uint4 v;\n  asm volatile(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, "
+     "[%4];\" : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n  return v;\n}\n"
+     "template <int NB, int NV>\nDEVFN void load_batch("),
+    ("producer.cuh", "    for (int i = 0; i < 7; ++i) bt.v[i] = ldg_nc_v4(d + 16 * (q + 4 * i));\n"
+     "    bt.v[7] = ldg_nc_v4(d + 448 + 32 * q);\n    bt.v[8] = ldg_nc_v4(d + 448 + 32 * q + 16);",
+     "    for (int i = 0; i < 7; ++i) bt.v[i] = ldg_na_v4(d + 16 * (q + 4 * i));\n"
+     "    bt.v[7] = ldg_na_v4(d + 448 + 32 * q);\n    bt.v[8] = ldg_na_v4(d + 448 + 32 * q + 16);"),
+)
+
 ABLATIONS = {
     "default": Ablation("the product's kernels, built the same way (the reference row)"),
     "no_gather": Ablation("no cache reads and no L2 prefetch (zero rows), everything else unchanged", _NO_GATHER),
@@ -59,6 +74,10 @@ ABLATIONS = {
         ("host_params.h", "inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }",
          "inline int32_t pair_groups(int64_t num_groups) { (void)num_groups; return 0; }"),)),
     "mma_sync": Ablation("sm_100a's mma.sync consumers on sm_90a", force_mma_sync=True),
+    "narrow_no_prefetch": Ablation("the narrow CTA's producers without their L2 prefetch", _NARROW_NO_PREFETCH),
+    "records_no_l1": Ablation("the producers' fp8 record loads without L1 allocation (ld.global.nc.L1::no_allocate)",
+                              _RECORDS_NO_L1),
+    "narrow_no_prefetch_no_l1": Ablation("narrow_no_prefetch and records_no_l1", _NARROW_NO_PREFETCH + _RECORDS_NO_L1),
 }
 
 

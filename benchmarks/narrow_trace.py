@@ -73,12 +73,10 @@ TRACE_PATCHES = (
      "      reg_fence<64 * R>(&acc.o[0][0]);\n      if (tr) narrow_trace(0, tc, 5);\n      release_tile(crew, tc, lane);\n"
      "    }\n  }\n"),
     ("producer.cuh",
-     "    const TileAddr<1> a2 = tile_addr<1>(ps, t2, i2, sh, lane);\n    tile_prefetch<1>(ps, t2, a2, lane);\n"
      "    const int buf = tc & 1;\n    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released\n"
      "    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);\n"
      "    load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)\n"
      "    bar_arrive(kBarFull0 + buf, C::full_count);\n",
-     "    const TileAddr<1> a2 = tile_addr<1>(ps, t2, i2, sh, lane);\n    tile_prefetch<1>(ps, t2, a2, lane);\n"
      "    const int buf = tc & 1;\n    if (pw == 0) narrow_trace(1, tc, 0);\n"
      "    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released\n"
      "    if (pw == 0) narrow_trace(1, tc, 1);\n    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);\n"
