@@ -71,8 +71,7 @@ ABLATIONS = {
                        _NO_MMA),
     "neither": Ablation("no cache reads and no wgmma work", _NO_GATHER + _NO_MMA),
     "no_pair": Ablation("decode with one CTA per head group instead of 2-CTA head-group pairs", (
-        ("host_params.h", "inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }",
-         "inline int32_t pair_groups(int64_t num_groups) { (void)num_groups; return 0; }"),)),
+        ("host_params.h", "  if (num_groups % 2 != 0) return 0;\n", "  if (num_groups > 0) return 0;\n"),)),
     "mma_sync": Ablation("sm_100a's mma.sync consumers on sm_90a", force_mma_sync=True),
     "narrow_no_prefetch": Ablation("the narrow CTA's producers without their L2 prefetch", _NARROW_NO_PREFETCH),
     "records_no_l1": Ablation("the producers' fp8 record loads without L1 allocation (ld.global.nc.L1::no_allocate)",

@@ -168,8 +168,16 @@ inline std::string row_lengths(const char* name, const TensorView& t, int64_t ro
 // out [b, s_q, h, 512] bf16, lse [b, s_q, h] f32, o_accum [slots, s_q, h, 512] f32 and lse_accum [slots,
 // s_q, h] f32 with slots = b + num_parts, or 1 for a plan without split-KV (no combine runs).
 // Head groups 2k and 2k + 1 of one query row attend to the same tokens: with an even number of
-// groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh).
-inline int32_t pair_groups(int64_t num_groups) { return num_groups % 2 == 0 ? 1 : 0; }
+// groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
+// pair's hand-off costs more than the halved gather saves where the plan's parts hold about one tile:
+// so a plan with split-KV pairs only where its requests' blocks at full lengths (b x tiles_per_row,
+// per query token and head group) reach two per part (b = 2 at h 128: RESULTS.md, 2026-12-02
+// seventeenth session). A plan without split-KV (slots 1: batch-invariant) always pairs, so that a
+// request's result never depends on the batch beside it.
+inline int32_t pair_groups(int64_t num_groups, int64_t b, int64_t tiles_per_row, int64_t parts, int64_t slots) {
+  if (num_groups % 2 != 0) return 0;
+  return slots == 1 || b * tiles_per_row >= 2 * parts ? 1 : 0;
+}
 
 inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*4*/, float softmax_scale,
                                       int64_t kv_format, int64_t block_size, int64_t has_extra,
@@ -242,7 +250,9 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->num_groups = (int32_t)groups;
   p->num_parts = (int32_t)parts;
   p->has_extra = (int32_t)has_extra;
-  p->pair = narrow ? 0 : pair_groups(p->num_groups);
+  const int64_t tiles_per_row = (p->main.topk + kTileTokens - 1) / kTileTokens +
+                                 (has_extra ? (p->extra.topk + kTileTokens - 1) / kTileTokens : 0);
+  p->pair = narrow ? 0 : pair_groups(p->num_groups, b, tiles_per_row, parts, slots);
   p->num_slots = (int32_t)slots;
   return "";
 }

@@ -28,6 +28,11 @@ extern "C" {
 
 int dsv41_emu_abi_version() { return 3; }
 
+// host_params.h's choice of head-group pairs for a decode launch (1: 2-CTA clusters).
+int dsv41_emu_pair_groups(int64_t num_groups, int64_t b, int64_t tiles_per_row, int64_t parts, int64_t slots) {
+  return dsv41::pair_groups(num_groups, b, tiles_per_row, parts, slots);
+}
+
 // in: 10 tensor views, out: 4 (see make_decode_params): the decode and combine kernels over the given plan.
 // Returns 0 or 1 (message in errbuf).
 int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, float softmax_scale,
