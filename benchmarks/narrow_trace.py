@@ -49,7 +49,8 @@ DEVFN void narrow_trace(int slot, int tile, int ev) {{
 }}
 """
 
-# (file, exact snippet, replacement): consumer events 0..5 (slot 0, warp 0), producer events 0..3 (slot 1, warp 0)
+# (file, exact snippet, replacement): consumer events 0..5 (slot 0, warp 0), producer events 0..3 (slot 1, warp 0).
+# The anchors leave out the release and EMPTY lines, so the patches also apply over ablations that change those.
 TRACE_PATCHES = (
     ("narrow.cuh", "#include \"decode_cta.cuh\"\n\nnamespace dsv41 {\n", "#include \"decode_cta.cuh\"\n\n" + _BUF),
     ("narrow.cuh",
@@ -57,9 +58,7 @@ TRACE_PATCHES = (
      "  reg_fence<8 * R>(s);\n  for (int tc = tc0; tc < tc0 + n; ++tc) {\n"
      "    narrow_softmax<R>(smem, tc & 1, s, acc, scale_log2, w, lane);\n    narrow_issue_pv<R>(smem, tc & 1, acc);\n"
      "    if (tc + 1 < tc0 + n) {\n      await_tile(crew, tc + 1, w);\n      narrow_issue_s<R>(smem, (tc + 1) & 1, s);\n"
-     "      wgmma_wait<1>();\n      reg_fence<64 * R>(&acc.o[0][0]);\n      release_tile(crew, tc, lane);\n"
-     "      wgmma_wait<0>();\n      reg_fence<8 * R>(s);\n    } else {\n      wgmma_wait<0>();\n"
-     "      reg_fence<64 * R>(&acc.o[0][0]);\n      release_tile(crew, tc, lane);\n    }\n  }\n",
+     "      wgmma_wait<1>();\n      reg_fence<64 * R>(&acc.o[0][0]);\n",
      "  float s[8 * R];\n  const bool tr = w == 0;\n  if (tr) narrow_trace(0, tc0, 0);\n  await_tile(crew, tc0, w);\n"
      "  if (tr) narrow_trace(0, tc0, 1);\n  narrow_issue_s<R>(smem, tc0 & 1, s);\n  wgmma_wait<0>();\n"
      "  reg_fence<8 * R>(s);\n  if (tr) narrow_trace(0, tc0, 2);\n  for (int tc = tc0; tc < tc0 + n; ++tc) {\n"
@@ -67,18 +66,18 @@ TRACE_PATCHES = (
      "    narrow_issue_pv<R>(smem, tc & 1, acc);\n    if (tr) narrow_trace(0, tc, 4);\n"
      "    if (tc + 1 < tc0 + n) {\n      if (tr) narrow_trace(0, tc + 1, 0);\n      await_tile(crew, tc + 1, w);\n"
      "      if (tr) narrow_trace(0, tc + 1, 1);\n      narrow_issue_s<R>(smem, (tc + 1) & 1, s);\n"
-     "      wgmma_wait<1>();\n      reg_fence<64 * R>(&acc.o[0][0]);\n      if (tr) narrow_trace(0, tc, 5);\n"
-     "      release_tile(crew, tc, lane);\n      wgmma_wait<0>();\n      reg_fence<8 * R>(s);\n"
-     "      if (tr) narrow_trace(0, tc + 1, 2);\n    } else {\n      wgmma_wait<0>();\n"
-     "      reg_fence<64 * R>(&acc.o[0][0]);\n      if (tr) narrow_trace(0, tc, 5);\n      release_tile(crew, tc, lane);\n"
-     "    }\n  }\n"),
+     "      wgmma_wait<1>();\n      reg_fence<64 * R>(&acc.o[0][0]);\n      if (tr) narrow_trace(0, tc, 5);\n"),
+    ("narrow.cuh",
+     "      wgmma_wait<0>();\n      reg_fence<8 * R>(s);\n    } else {\n      wgmma_wait<0>();\n"
+     "      reg_fence<64 * R>(&acc.o[0][0]);\n",
+     "      wgmma_wait<0>();\n      reg_fence<8 * R>(s);\n      if (tr) narrow_trace(0, tc + 1, 2);\n    } else {\n"
+     "      wgmma_wait<0>();\n      reg_fence<64 * R>(&acc.o[0][0]);\n      if (tr) narrow_trace(0, tc, 5);\n"),
+    ("producer.cuh", "    const int buf = tc & 1;\n    if (tc >= 2) ",
+     "    const int buf = tc & 1;\n    if (pw == 0) narrow_trace(1, tc, 0);\n    if (tc >= 2) "),
     ("producer.cuh",
-     "    const int buf = tc & 1;\n    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released\n"
      "    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);\n"
      "    load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)\n"
      "    bar_arrive(kBarFull0 + buf, C::full_count);\n",
-     "    const int buf = tc & 1;\n    if (pw == 0) narrow_trace(1, tc, 0);\n"
-     "    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released\n"
      "    if (pw == 0) narrow_trace(1, tc, 1);\n    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);\n"
      "    if (pw == 0) narrow_trace(1, tc, 2);\n    load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)\n"
      "    bar_arrive(kBarFull0 + buf, C::full_count);\n    if (pw == 0) narrow_trace(1, tc, 3);\n"),

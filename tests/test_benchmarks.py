@@ -119,9 +119,12 @@ def test_narrow_trace_patches_apply_and_summarize(tmp_path):
     from benchmarks import narrow_trace as T
     from cuda_ffi import build as cbuild
 
-    cbuild.copy_sources(tmp_path / "csrc", T.TRACE_PATCHES)
-    text = (tmp_path / "csrc" / "narrow.cuh").read_text() + (tmp_path / "csrc" / "producer.cuh").read_text()
-    assert text.count("narrow_trace(0,") == 10 and text.count("narrow_trace(1,") == 4
+    from benchmarks import cuda_ablations as A
+
+    for variant in ("default", "no_gather", "narrow_no_prefetch", "narrow_empty_mbar"):
+        src = cbuild.copy_sources(tmp_path / variant / "csrc", A.ABLATIONS[variant].patches + T.TRACE_PATCHES)
+        text = (src / "narrow.cuh").read_text() + (src / "producer.cuh").read_text()
+        assert text.count("narrow_trace(0,") == 10 and text.count("narrow_trace(1,") == 4, variant
     tr = np.zeros((8, 2, 256, 8), np.uint32)
     n, period = 20, 1000
     t = np.arange(n, dtype=np.int64) * period + 5000
