@@ -3,8 +3,8 @@
     python -m benchmarks.narrow_trace [--case fm_decode_b128_h8_k128p256+512p64] [--variants default,no_gather]
 
 Builds patched copies of the library (benchmarks/cuda_ablations.py's mechanism: the product carries no trace
-hook) in which lane 0 of consumer warp 0 and of producer warp 0 in the first 8 CTAs stamp `%clock` at fixed
-points of every tile, runs the FlashMLA-style case (benchmarks/flashmla_cases.py), copies the last call's stamps
+hook) in which lane 0 of consumer warp 0 and of every producer warp in the first 8 CTAs stamp `%clock` at
+fixed points of every tile, runs the FlashMLA-style case (benchmarks/flashmla_cases.py), copies the last call's stamps
 out and prints the median cycles of each step over the steady-state tiles (each CTA's first and last 2 tiles
 left out), per role:
 
@@ -12,9 +12,12 @@ left out), per role:
             tile's PV completed; softmax: mask, column maxima (B1), P stores and fence (B2), rescale;
             pv_issue: issuing the 32 PV wgmmas; pv_tail: PV running on behind the next tile's S issue;
             period: softmax end to softmax end.
-  producer  empty_wait: waiting for the buffer's release; fill: dequantise and store the loaded batch (its
-            load latency included where it is not yet hidden); arrive_loop: FULL arrival, the next tile's
-            load issue, index and address work, L2 prefetch.
+  producer  (warp 0) empty_wait: waiting for the buffer's release; fill: dequantise and store the loaded batch
+            (its load latency included where it is not yet hidden); arrive_loop: FULL arrival, the next
+            tile's load issue, index and address work, L2 prefetch.
+  warps     (all eight producer warps) empty_wait_all: the EMPTY wait of every warp; full_spread: first to last
+            warp's FULL arrival of a tile; wake_after_last: the last arrival to the consumer's wake-up;
+            last_share: how often each warp arrives last.
 
 Timing only (variant no_gather: zero rows, as cuda_ablations); not recorded by itself: quote it in
 benchmarks/RESULTS.md with the commit.
@@ -32,7 +35,7 @@ from pathlib import Path
 
 __all__ = ["TRACE_PATCHES", "summarize", "main"]
 
-_CTAS, _SLOTS, _TILES, _EVENTS = 8, 2, 256, 8
+_CTAS, _SLOTS, _TILES, _EVENTS = 8, 9, 256, 8  # slots: consumer warp 0, producer warps 0..7
 
 _BUF = f"""namespace dsv41 {{
 
@@ -49,7 +52,7 @@ DEVFN void narrow_trace(int slot, int tile, int ev) {{
 }}
 """
 
-# (file, exact snippet, replacement): consumer events 0..5 (slot 0, warp 0), producer events 0..3 (slot 1, warp 0).
+# (file, exact snippet, replacement): consumer events 0..5 (slot 0, warp 0), producer events 0..3 (slot 1 + pw).
 # The anchors leave out the release and EMPTY lines, so the patches also apply over ablations that change those.
 TRACE_PATCHES = (
     ("narrow.cuh", "#include \"decode_cta.cuh\"\n\nnamespace dsv41 {\n", "#include \"decode_cta.cuh\"\n\n" + _BUF),
@@ -73,14 +76,14 @@ TRACE_PATCHES = (
      "      wgmma_wait<0>();\n      reg_fence<8 * R>(s);\n      if (tr) narrow_trace(0, tc + 1, 2);\n    } else {\n"
      "      wgmma_wait<0>();\n      reg_fence<64 * R>(&acc.o[0][0]);\n      if (tr) narrow_trace(0, tc, 5);\n"),
     ("producer.cuh", "    const int buf = tc & 1;\n    if (tc >= 2) ",
-     "    const int buf = tc & 1;\n    if (pw == 0) narrow_trace(1, tc, 0);\n    if (tc >= 2) "),
+     "    const int buf = tc & 1;\n    narrow_trace(1 + pw, tc, 0);\n    if (tc >= 2) "),
     ("producer.cuh",
      "    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);\n"
      "    load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)\n"
      "    bar_arrive(kBarFull0 + buf, C::full_count);\n",
-     "    if (pw == 0) narrow_trace(1, tc, 1);\n    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);\n"
-     "    if (pw == 0) narrow_trace(1, tc, 2);\n    load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)\n"
-     "    bar_arrive(kBarFull0 + buf, C::full_count);\n    if (pw == 0) narrow_trace(1, tc, 3);\n"),
+     "    narrow_trace(1 + pw, tc, 1);\n    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);\n"
+     "    narrow_trace(1 + pw, tc, 2);\n    load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)\n"
+     "    bar_arrive(kBarFull0 + buf, C::full_count);\n    narrow_trace(1 + pw, tc, 3);\n"),
     # the producers' loop is in producer.cuh, included before narrow.cuh: declare the stamp function there
     ("producer.cuh", "#include \"pair.cuh\"\n\nnamespace dsv41 {\n",
      "#include \"pair.cuh\"\n\nnamespace dsv41 {\nDEVFN void narrow_trace(int slot, int tile, int ev);\n"),
@@ -102,12 +105,13 @@ def _d(a, b):
 
 
 def summarize(tr) -> dict:
-    """tr: uint32 [ctas][2 slots][tiles][8 events]. Medians over CTAs and steady-state tiles (cycles)."""
+    """tr: uint32 [ctas][9 slots][tiles][8 events]. Medians over CTAs and steady-state tiles (cycles)."""
     import numpy as np
 
     rows: dict[str, list] = {k: [] for k in ("full_wait", "s_tail", "softmax", "pv_issue", "pv_tail", "period",
-                                             "empty_wait", "fill", "arrive_loop", "p_period")}
-    tiles = []
+                                             "empty_wait", "fill", "arrive_loop", "p_period", "empty_wait_all",
+                                             "full_spread", "wake_after_last")}
+    tiles, last = [], []
     for cta in range(tr.shape[0]):
         c, p = tr[cta, 0], tr[cta, 1]
         n = int(np.count_nonzero(c[:, 3]))
@@ -124,8 +128,17 @@ def summarize(tr) -> dict:
             rows[k].append(_d(p[sl, a], p[sl, b]))
         rows["arrive_loop"].append(_d(p[sl, 2], p[nx, 0]))
         rows["p_period"].append(_d(p[sl, 0], p[nx, 0]))
+        pw = tr[cta, 1:, sl]  # [8 warps][steady tiles][events]
+        arr = pw[:, :, 3].astype(np.int64)
+        rows["empty_wait_all"].append(_d(pw[:, :, 0], pw[:, :, 1]).ravel())
+        rows["full_spread"].append(((arr.max(0) - arr.min(0)) % (1 << 32)).astype(np.float64))
+        rows["wake_after_last"].append(_d(arr.max(0).astype(np.uint32), c[sl, 1]))
+        last.append(np.bincount(arr.argmax(0), minlength=arr.shape[0]))
     out = {k: float(np.median(np.concatenate(v))) for k, v in rows.items() if v}
     out["ctas"], out["tiles_per_cta"] = len(tiles), float(np.median(tiles)) if tiles else 0.0
+    if last:
+        share = np.sum(last, axis=0) / max(int(np.sum(last)), 1)
+        out["last_share"] = "/".join(f"{x:.2f}" for x in share)
     return out
 
 
@@ -154,7 +167,8 @@ def _child(case_name: str) -> int:
     if rc != 0:
         raise RuntimeError(f"dsv41_narrow_trace_read: cudaError {rc}")
     s = summarize(tr)
-    print(f"  us per call {res['us']:.1f}; " + ", ".join(f"{k} {v:.0f}" for k, v in s.items()), flush=True)
+    print(f"  us per call {res['us']:.1f}; " + ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}"
+                                                      for k, v in s.items()), flush=True)
     return 0
 
 

@@ -124,15 +124,20 @@ def test_narrow_trace_patches_apply_and_summarize(tmp_path):
     for variant in ("default", "no_gather", "narrow_no_prefetch", "narrow_empty_mbar"):
         src = cbuild.copy_sources(tmp_path / variant / "csrc", A.ABLATIONS[variant].patches + T.TRACE_PATCHES)
         text = (src / "narrow.cuh").read_text() + (src / "producer.cuh").read_text()
-        assert text.count("narrow_trace(0,") == 10 and text.count("narrow_trace(1,") == 4, variant
-    tr = np.zeros((8, 2, 256, 8), np.uint32)
+        assert text.count("narrow_trace(0,") == 10 and text.count("narrow_trace(1 + pw,") == 4, variant
+    tr = np.zeros((8, 9, 256, 8), np.uint32)
     n, period = 20, 1000
     t = np.arange(n, dtype=np.int64) * period + 5000
     c, p = tr[1, 0], tr[1, 1]
     c[:n, 0], c[:n, 1], c[:n, 2], c[:n, 3], c[:n, 4] = t - 100, t - 40, t, t + 300, t + 350
     c[:n, 5] = t + period - 30  # PV done 10 cycles after the next tile's FULL was seen, 30 before its S
     p[:n, 0], p[:n, 1], p[:n, 2] = t - 500, t - 450, t - 100
+    for k in range(8):  # every producer warp: warp k arrives on FULL at t - 200 + 10k (warp 7 last)
+        tr[1, 1 + k, :n, :3] = p[:n, :3]
+        tr[1, 1 + k, :n, 3] = t - 200 + 10 * k
     s = T.summarize(tr)
+    assert (s["empty_wait_all"], s["full_spread"], s["wake_after_last"]) == (50, 70, 90)
+    assert s["last_share"] == "0.00/0.00/0.00/0.00/0.00/0.00/0.00/1.00"
     assert s["ctas"] == 1 and s["tiles_per_cta"] == n
     assert (s["full_wait"], s["softmax"], s["pv_issue"], s["period"]) == (60, 300, 50, period)
     assert (s["pv_tail"], s["s_tail"], s["empty_wait"], s["fill"], s["arrive_loop"]) == (10, 30, 50, 350, 600)
