@@ -141,3 +141,14 @@ def test_narrow_trace_patches_apply_and_summarize(tmp_path):
     assert s["ctas"] == 1 and s["tiles_per_cta"] == n
     assert (s["full_wait"], s["softmax"], s["pv_issue"], s["period"]) == (60, 300, 50, period)
     assert (s["pv_tail"], s["s_tail"], s["empty_wait"], s["fill"], s["arrive_loop"]) == (10, 30, 50, 350, 600)
+
+
+def test_pallas_lowering_counts_the_module_ops():
+    # benchmarks.pallas_lowering: the Mosaic GPU module inside a cross-lowered pallas decode is unpacked and counted
+    from benchmarks import pallas_lowering as L
+    from pallas_kernels import _interpret
+
+    with _interpret.gpu_mode():
+        lowered, t_trace, t_lower = L._lowered("decode", (2, 1, 64, 64, 64, 64))
+    (counts,) = L.module_op_counts(lowered)
+    assert sum(counts.values()) > 1000 and counts["llvm.inline_asm"] > 0 and t_trace >= 0 and t_lower > 0

@@ -1,0 +1,112 @@
+"""How big the `impl="pallas"` kernels are before the GPU compiles them: Python trace and lowering time and the
+operation count of each Mosaic GPU module, cross-lowered for CUDA on any machine (no GPU needed).
+
+    python -m benchmarks.pallas_lowering
+
+For a few configurations (fp8_ds_mla decode with an extra cache at the tiny and the V4.1-Flash shapes, bf16
+prefill) it traces and lowers the op (`pallas_kernels._interpret.gpu_mode`, `lowering_platforms=("cuda",)`),
+unpacks the Mosaic GPU module each custom call carries and counts its operations by name. The device then
+compiles that module (to PTX, then ptxas) inside XLA's compile: the count is the input of that step, which these
+figures do not time. CPU-side figures: quote them in benchmarks/RESULTS.md with the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+
+__all__ = ["CONFIGS", "module_op_counts", "main"]
+
+# name -> (op, shapes): decode (b, s_q, h, topk, extra topk, page), prefill (s_q, h, topk, s_kv)
+CONFIGS = {
+    "decode_tiny_b4_h64_k128+512": ("decode", (4, 1, 64, 128, 512, 64)),
+    "decode_b128_h64_k128+512": ("decode", (128, 2, 64, 128, 512, 64)),
+    "decode_b4_h128_k128+1024": ("decode", (4, 1, 128, 128, 1024, 64)),
+    "prefill_s16_h64_k128": ("prefill", (16, 64, 128, 128)),
+    "prefill_s4096_h128_k2048": ("prefill", (4096, 128, 2048, 32768)),
+}
+
+
+def _lowered(op: str, shape: tuple):
+    import jax
+    import jax.numpy as jnp
+
+    import dsv41_jax as d
+    from dsv41_jax import kv_cache as kvc
+
+    sd = jax.ShapeDtypeStruct
+    if op == "decode":
+        b, s_q, h, topk, etopk, page = shape
+        cache = sd((64, kvc.page_bytes("fp8_ds_mla", page)), jnp.uint8)
+        args = (sd((b, s_q, h, 512), jnp.bfloat16), cache, sd((b, s_q, topk), jnp.int32), sd((b,), jnp.int32), cache,
+                sd((b, s_q, etopk), jnp.int32), sd((b,), jnp.int32))
+
+        def f(q, c, idx, lens, ec, eidx, elens):
+            return d.sparse_mla_decode(q, c, idx, lens, kv_format="fp8_ds_mla", block_size=page, softmax_scale=0.04,
+                                       extra_kv_cache=ec, extra_indices=eidx, extra_topk_length=elens,
+                                       extra_kv_format="fp8_ds_mla", extra_block_size=page, impl="pallas")
+    else:
+        s_q, h, topk, s_kv = shape
+        args = (sd((s_q, h, 512), jnp.bfloat16), sd((s_kv, 512), jnp.bfloat16), sd((s_q, topk), jnp.int32))
+
+        def f(q, kv, idx):
+            return d.sparse_mla_prefill(q, kv, idx, softmax_scale=0.04, impl="pallas")
+
+    t0 = time.perf_counter()
+    traced = jax.jit(f).trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=("cuda",))
+    t2 = time.perf_counter()
+    return lowered, t1 - t0, t2 - t1
+
+
+def module_op_counts(lowered) -> list[collections.Counter]:
+    """Per Mosaic GPU custom call of a lowered computation: its module's operations counted by name."""
+    from jax._src.lib.mlir import ir
+
+    mod = lowered.compiler_ir("stablehlo")
+    calls = []
+
+    def walk(op, into, pred):
+        for region in op.regions:
+            for block in region.blocks:
+                for o in block.operations:
+                    if pred(o):
+                        into.append(o)
+                    walk(o.operation, into, pred)
+
+    walk(mod.operation, calls, lambda o: o.operation.name == "stablehlo.custom_call"
+         and "mosaic_gpu" in str(o.attributes["call_target_name"]))
+    out = []
+    with mod.context as ctx:
+        ctx.allow_unregistered_dialects = True  # the module's own dialects need not be registered to count
+        for c in calls:
+            blob = ir.DictAttr(c.attributes["mhlo.backend_config"])["module"]
+            inner = ir.Module.parse(ir.StringAttr(blob).value_bytes)
+            ops: list = []
+            walk(inner.operation, ops, lambda o: True)
+            out.append(collections.Counter(o.operation.name.removeprefix("stable_mosaic_gpu.") for o in ops))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.pallas_lowering", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    a = ap.parse_args(argv)
+    from pallas_kernels import _interpret
+
+    for name in a.configs.split(","):
+        op, shape = CONFIGS[name]
+        with _interpret.gpu_mode():
+            lowered, t_trace, t_lower = _lowered(op, shape)
+        for i, c in enumerate(module_op_counts(lowered)):
+            top = ", ".join(f"{k} {v}" for k, v in c.most_common(4))
+            print(f"{name:28s} kernel {i}: {sum(c.values())} ops ({c['llvm.inline_asm']} inline asm; {top}); "
+                  f"trace {t_trace:.1f} s, lower {t_lower:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
