@@ -171,9 +171,9 @@ inline std::string row_lengths(const char* name, const TensorView& t, int64_t ro
 // groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
 // pair's hand-off costs more than the halved gather saves where the plan's parts hold about one tile:
 // so a plan with split-KV pairs only where its requests' blocks at full lengths (b x tiles_per_row,
-// per query token and head group) reach two per part (b = 2 at h 128: RESULTS.md, 2026-12-02
-// seventeenth session). A plan without split-KV (slots 1: batch-invariant) always pairs, so that a
-// request's result never depends on the batch beside it.
+// per query token and head group) reach two per part (b = 2 at h 128 is below; docs/cuda_kernels.md,
+// section 3). A plan without split-KV (slots 1: batch-invariant) always pairs, so that a request's
+// result never depends on the batch beside it.
 inline int32_t pair_groups(int64_t num_groups, int64_t b, int64_t tiles_per_row, int64_t parts, int64_t slots) {
   if (num_groups % 2 != 0) return 0;
   return slots == 1 || b * tiles_per_row >= 2 * parts ? 1 : 0;
