@@ -29,6 +29,10 @@
 #   bench-rows    the cuda prefill with kv rows forced to bf16 (producers convert) and to f16 (the wrapper
 #                 converts; seesaw.cuh), $ROWS_CASES (default prefill_h128_topk2048); not recorded
 #   sanitizer     compute-sanitizer memcheck over one cuda decode and one prefill
+#   narrow-trace  python -m benchmarks.narrow_trace: the narrow CTA's per-tile timeline for the ablation variants
+#                 $TRACE_VARIANTS (default "default,no_gather") on $TRACE_CASE (default the b128 h8 V4.1-Flash decode)
+#   pallas-compile  python -m benchmarks.pallas_lowering --compile (each pallas kernel's device compile, timed),
+#                 then the tiny-model engine's warm-up with impl="pallas" (examples/generate.py; $GEN_TIMEOUT s, 300)
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for the ablation builds of benchmarks/cuda_ablations.py (patched
 #                 copies of cuda_ffi/csrc/: no_gather no cache reads, no_mma no tensor-core work, neither,
@@ -113,6 +117,12 @@ for s in "${stages[@]}"; do
     compare) run timeout 560 $PY -m benchmarks.flashmla_compare --cases "${FM_CASES:-decode,prefill}" ${BENCH_IMPLS:+--impls $BENCH_IMPLS} \
         --out "$OUT/cmp" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/compare.log" ;;
     bench-full) run timeout 560 $PY -m benchmarks.sparse_mla --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
+    narrow-trace) run timeout 500 $PY -m benchmarks.narrow_trace --variants "${TRACE_VARIANTS:-default,no_gather}" \
+        --case "${TRACE_CASE:-fm_decode_b128_h8_k128p256+512p64}" 2>&1 | tee "$OUT/narrow_trace.log" ;;
+    pallas-compile)
+      run timeout 400 $PY -m benchmarks.pallas_lowering --compile 2>&1 | tee "$OUT/pallas_compile.log"
+      run timeout "${GEN_TIMEOUT:-300}" $PY examples/generate.py --platform gpu --impl pallas --kv-format fp8_ds_mla \
+        --max-new-tokens 4 2>&1 | tee "$OUT/generate_pallas.log" | grep -vE "^\s*$" | tail -12 ;;
     sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m tests.cuda_emulator.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
     sharded) run timeout 300 $PY -m benchmarks.sharded_decode --devices 1,2 --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/sharded.log" ;;
     cuda-ablation)

@@ -6,8 +6,10 @@ operation count of each Mosaic GPU module, cross-lowered for CUDA on any machine
 For a few configurations (fp8_ds_mla decode with an extra cache at the tiny and the V4.1-Flash shapes, bf16
 prefill) it traces and lowers the op (`pallas_kernels._interpret.gpu_mode`, `lowering_platforms=("cuda",)`),
 unpacks the Mosaic GPU module each custom call carries and counts its operations by name. The device then
-compiles that module (to PTX, then ptxas) inside XLA's compile: the count is the input of that step, which these
-figures do not time. CPU-side figures: quote them in benchmarks/RESULTS.md with the commit.
+compiles that module (to PTX, then ptxas) inside XLA's compile: the count is the input of that step. With
+`--compile` (a GPU machine) each configuration is also lowered for the device and compiled, and that compile is
+timed (`jax.stages.Lowered.compile`: XLA's and the Mosaic GPU module's). Quote the figures in
+benchmarks/RESULTS.md with the commit.
 """
 
 from __future__ import annotations
@@ -94,17 +96,27 @@ def module_op_counts(lowered) -> list[collections.Counter]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.pallas_lowering", description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--compile", action="store_true", help="also compile each configuration for this GPU, timed")
     a = ap.parse_args(argv)
+    import jax
+
     from pallas_kernels import _interpret
 
+    if a.compile and jax.default_backend() != "gpu":
+        ap.error(f"--compile needs a GPU backend, got {jax.default_backend()!r}")
     for name in a.configs.split(","):
         op, shape = CONFIGS[name]
         with _interpret.gpu_mode():
             lowered, t_trace, t_lower = _lowered(op, shape)
+        compiled = ""
+        if a.compile:  # (the cross-lowered module is the device's own: same kernels, same platform)
+            t0 = time.perf_counter()
+            lowered.compile()
+            compiled = f", compile {time.perf_counter() - t0:.1f} s"
         for i, c in enumerate(module_op_counts(lowered)):
             top = ", ".join(f"{k} {v}" for k, v in c.most_common(4))
             print(f"{name:28s} kernel {i}: {sum(c.values())} ops ({c['llvm.inline_asm']} inline asm; {top}); "
-                  f"trace {t_trace:.1f} s, lower {t_lower:.1f} s", flush=True)
+                  f"trace {t_trace:.1f} s, lower {t_lower:.1f} s{compiled}", flush=True)
     return 0
 
 
