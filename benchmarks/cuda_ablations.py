@@ -92,6 +92,14 @@ _NARROW_EMPTY_MBAR = (
      "}\n\n// Consumers, before reading tile tc"),
 )
 
+# What the per-CTA Q read and output store cost (the prefill's 64-head CTAs hold 8 tiles at top-k 512): Q rows from
+# a constant instead of global memory, the staged output not stored (shared with the decode's CTA; timing only).
+_NO_Q_READ = (("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);\n",
+               "      v[i] = make_u4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);\n      (void)q;\n"),)
+_NO_OUT_STORE = (("consumer.cuh", "    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
+                  "        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
+                  "    (void)orow0, (void)stage, (void)r, (void)c;\n"),)
+
 ABLATIONS = {
     "default": Ablation("the product's kernels, built the same way (the reference row)"),
     "no_gather": Ablation("no cache reads and no L2 prefetch (zero rows), everything else unchanged", _NO_GATHER),
@@ -106,6 +114,9 @@ ABLATIONS = {
                               _RECORDS_NO_L1),
     "narrow_empty_mbar": Ablation("the narrow CTA's EMPTY hand-off by mbarriers each producer warp waits on alone",
                                   _NARROW_EMPTY_MBAR),
+    "no_q_read": Ablation("the 64-head CTAs' Q rows from a constant, not read from global memory", _NO_Q_READ),
+    "no_out_store": Ablation("the 64-head CTAs' staged output (decode's one-piece requests, prefill) not stored",
+                             _NO_OUT_STORE),
     "narrow_no_prefetch_no_l1": Ablation("narrow_no_prefetch and records_no_l1", _NARROW_NO_PREFETCH + _RECORDS_NO_L1),
 }
 
