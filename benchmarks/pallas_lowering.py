@@ -7,8 +7,8 @@ For a few configurations (fp8_ds_mla decode with an extra cache at the tiny and 
 prefill) it traces and lowers the op (`pallas_kernels._interpret.gpu_mode`, `lowering_platforms=("cuda",)`),
 unpacks the Mosaic GPU module each custom call carries and counts its operations by name. The device then
 compiles that module (to PTX, then ptxas) inside XLA's compile: the count is the input of that step. With
-`--compile` (a GPU machine) each configuration is also lowered for the device and compiled, and that compile is
-timed (`jax.stages.Lowered.compile`: XLA's and the Mosaic GPU module's). Quote the figures in
+`--compile` (a GPU machine) each lowered configuration is also compiled for this GPU and that compile is timed
+(`jax.stages.Lowered.compile`: XLA's and the Mosaic GPU module's; not yet run on a GPU). Quote the figures in
 benchmarks/RESULTS.md with the commit.
 """
 

@@ -116,10 +116,9 @@ def test_narrow_trace_patches_apply_and_summarize(tmp_path):
     # step medians off the stamps: a synthetic timeline with known step lengths gives them back
     import numpy as np
 
+    from benchmarks import cuda_ablations as A
     from benchmarks import narrow_trace as T
     from cuda_ffi import build as cbuild
-
-    from benchmarks import cuda_ablations as A
 
     for variant in ("default", "no_gather", "narrow_no_prefetch", "narrow_empty_mbar"):
         src = cbuild.copy_sources(tmp_path / variant / "csrc", A.ABLATIONS[variant].patches + T.TRACE_PATCHES)
