@@ -64,34 +64,6 @@ _RECORDS_NO_L1 = (
      "    bt.v[7] = ldg_na_v4(d + 448 + 32 * q);\n    bt.v[8] = ldg_na_v4(d + 448 + 32 * q + 16);"),
 )
 
-# The narrow CTA's EMPTY hand-off as mbarriers (the pair's PEMPTY slots, unused by one CTA): lane 0 of each consumer
-# warp arrives once its last read of the tile completed, each producer warp waits on the phase by itself, instead
-# of the named barrier of all 384 threads, where every producer warp waits for all the others.
-_NARROW_EMPTY_MBAR = (
-    ("narrow.cuh", "DEVFN void narrow_sync() { bar_sync(kBarConsumers, kNarrowConsumerThreads); }\n",
-     "DEVFN void narrow_sync() { bar_sync(kBarConsumers, kNarrowConsumerThreads); }\n"
-     "DEVFN void narrow_release(char* smem, int tc, int lane) {\n"
-     "  if (lane == 0) mbar_arrive(smem_addr(smem + bar_pempty(tc & 1)));  // (one CTA: its own cluster address)\n}\n"),
-    ("narrow.cuh", "    narrow_consume_tile<R>(smem, tc & 1, acc, scale_log2, w, lane);\n    release_tile(crew, tc, lane);\n",
-     "    narrow_consume_tile<R>(smem, tc & 1, acc, scale_log2, w, lane);\n    narrow_release(smem, tc, lane);\n"),
-    ("narrow.cuh", "      reg_fence<64 * R>(&acc.o[0][0]);\n      release_tile(crew, tc, lane);\n      wgmma_wait<0>();",
-     "      reg_fence<64 * R>(&acc.o[0][0]);\n      narrow_release(smem, tc, lane);\n      wgmma_wait<0>();"),
-    ("narrow.cuh", "      reg_fence<64 * R>(&acc.o[0][0]);\n      release_tile(crew, tc, lane);\n    }\n",
-     "      reg_fence<64 * R>(&acc.o[0][0]);\n      narrow_release(smem, tc, lane);\n    }\n"),
-    ("narrow.cuh", "  const int w = warp_idx(), lane = lane_idx();\n  if (w >= kNarrowConsumerWarps) {",
-     "  const int w = warp_idx(), lane = lane_idx();\n  if (thread_idx() == 0) {\n"
-     "    mbar_init(smem_addr(smem + bar_pempty(0)), kNarrowConsumerWarps);\n"
-     "    mbar_init(smem_addr(smem + bar_pempty(1)), kNarrowConsumerWarps);\n    fence_mbar_init();\n  }\n"
-     "  bar_sync(kBarCta, kThreads);\n  if (w >= kNarrowConsumerWarps) {"),
-    ("producer.cuh", "    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released\n"
-     "    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);",
-     "    if (tc >= 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);\n"
-     "    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);"),
-    ("producer.cuh", "  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);\n}\n\n"
-     "// Consumers, before reading tile tc",
-     "}\n\n// Consumers, before reading tile tc"),
-)
-
 # What the per-CTA Q read and output store cost (the prefill's 64-head CTAs hold 8 tiles at top-k 512): Q rows from
 # a constant instead of global memory, the staged output not stored (shared with the decode's CTA; timing only).
 _NO_Q_READ = (("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);\n",
@@ -99,6 +71,79 @@ _NO_Q_READ = (("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim +
 _NO_OUT_STORE = (("consumer.cuh", "    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
                   "        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
                   "    (void)orow0, (void)stage, (void)r, (void)c;\n"),)
+
+# An L2 evict_first policy for the 64-head CTAs' Q loads and output stores (both stream once), so that they do not push
+# the gathered rows, which other CTAs re-read, out of L2. (The same policy as evict_last on the seesaw's kv cp.async
+# copies builds, but faults with an illegal instruction on the H200: benchmarks/RESULTS.md.)
+_L2_POLICY = (
+    ("primitives.cuh", "DEVFN void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) {\n",
+     "DEVFN uint64_t l2_policy(bool last) {\n  uint64_t pol;\n"
+     "  if (last) asm volatile(\"createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\" : \"=l\"(pol));\n"
+     "  else asm volatile(\"createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\" : \"=l\"(pol));\n  return pol;\n}\n"
+     "DEVFN void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) {\n"),
+)
+_QO_EVICT_FIRST = (
+    ("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);\n",
+     "      asm volatile(\"ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\" : \"=r\"(v[i].x), \"=r\"(v[i].y), "
+     "\"=r\"(v[i].z), \"=r\"(v[i].w) : \"l\"(q + (c >> 6) * kHeadDim + (c & 63) * 8), \"l\"(l2_policy(false)));\n"),
+    ("consumer.cuh", "    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
+     "        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
+     "    {\n      const uint4 ov = *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n"
+     "      asm volatile(\"st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\" ::\"l\"(orow0 + (int64_t)r * kHeadDim + 8 * c), "
+     "\"r\"(ov.x), \"r\"(ov.y), \"r\"(ov.z), \"r\"(ov.w), \"l\"(l2_policy(false)) : \"memory\");\n    }\n"),
+)
+
+# The seesaw prefill's output by bulk copies: O staged in the free K buffers (rows 1040 bytes apart: conflict-free
+# staging stores, each row contiguous), then one 1 KB cp.async.bulk per row; the CTA waits only until its shared
+# memory has been read, not for the global writes.
+_SEESAW_O_BULK = (
+    ("seesaw.cuh", "DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {\n",
+     "DEVFN void write_final_bulk(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,\n"
+     "                             float* maxl0, const float* sink0) {\n"
+     "  const int g = lane >> 2, t = lane & 3;\n"
+     "  char* stage = smem + kSmemK;\n"
+     "#pragma unroll\n"
+     "  for (int hr = 0; hr < 2; ++hr) {\n"
+     "    const int r = o_row(w, 0, g) + 8 * hr;\n"
+     "    const FinalRow fr = final_row(smem, r, sink0);\n"
+     "#pragma unroll\n"
+     "    for (int n = 0; n < 32; ++n) {\n"
+     "      const int c = 32 * (w >> 2) + n;\n"
+     "      *reinterpret_cast<uint32_t*>(stage + r * 1040 + 16 * c + 4 * t) =\n"
+     "          pack_bf16x2(acc.o[n][2 * hr] * fr.factor, acc.o[n][2 * hr + 1] * fr.factor);\n"
+     "    }\n"
+     "    if ((w >> 2) == 0 && t == 0) {\n"
+     "      lse0[r] = fr.lse_nat;\n"
+     "      maxl0[r] = fr.maxl;\n"
+     "    }\n"
+     "  }\n"
+     "  fence_proxy_async_always();\n"
+     "  bar_sync(kBarConsumers, kConsumerThreads);\n"
+     "  const int r = thread_idx();\n"
+     "  if (r < 64) {\n"
+     "    asm volatile(\"cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 1024;\" ::\"l\"(orow0 + (int64_t)r * kHeadDim),\n"
+     "                 \"r\"(smem_addr(stage + r * 1040)) : \"memory\");\n"
+     "    asm volatile(\"cp.async.bulk.commit_group;\" ::: \"memory\");\n"
+     "    asm volatile(\"cp.async.bulk.wait_group.read 0;\" ::: \"memory\");\n"
+     "  }\n"
+     "}\n\n"
+     "DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {\n"),
+    ("seesaw.cuh", "  write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,\n",
+     "  write_final_bulk(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,\n"),
+)
+# The seesaw prefill's Q of the CTA that runs next on this SM (about one wave, 132 CTAs, later) prefetched into L2 at
+# the CTA's start, so its load hits L2.
+_SEESAW_Q_PREFETCH = (
+    ("seesaw.cuh", "  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);\n",
+     "  if (thread_idx() == kConsumerThreads) {\n"
+     "    const int64_t nb = bid + 132;\n"
+     "    if (nb < (int64_t)p.num_groups * p.s_q) {\n"
+     "      const uint16_t* qn = p.q + ((nb / p.num_groups) * p.h_pad + (nb % p.num_groups) * kHeadsPerCta) * kHeadDim;\n"
+     "      asm volatile(\"cp.async.bulk.prefetch.L2.global [%0], 65536;\" ::\"l\"(qn) : \"memory\");\n"
+     "    }\n"
+     "  }\n"
+     "  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);\n"),
+)
 
 ABLATIONS = {
     "default": Ablation("the product's kernels, built the same way (the reference row)"),
@@ -112,12 +157,15 @@ ABLATIONS = {
     "narrow_no_prefetch": Ablation("the narrow CTA's producers without their L2 prefetch", _NARROW_NO_PREFETCH),
     "records_no_l1": Ablation("the producers' fp8 record loads without L1 allocation (ld.global.nc.L1::no_allocate)",
                               _RECORDS_NO_L1),
-    "narrow_empty_mbar": Ablation("the narrow CTA's EMPTY hand-off by mbarriers each producer warp waits on alone",
-                                  _NARROW_EMPTY_MBAR),
     "no_q_read": Ablation("the 64-head CTAs' Q rows from a constant, not read from global memory", _NO_Q_READ),
     "no_out_store": Ablation("the 64-head CTAs' staged output (decode's one-piece requests, prefill) not stored",
                              _NO_OUT_STORE),
     "narrow_no_prefetch_no_l1": Ablation("narrow_no_prefetch and records_no_l1", _NARROW_NO_PREFETCH + _RECORDS_NO_L1),
+    "qo_evict_first": Ablation("the 64-head CTAs' Q loads and output stores with an L2 evict_first policy",
+                               _L2_POLICY + _QO_EVICT_FIRST),
+    "o_bulk": Ablation("the seesaw prefill's output staged in the K buffers and stored by 1 KB bulk copies", _SEESAW_O_BULK),
+    "q_prefetch": Ablation("the seesaw prefill prefetching the Q of the CTA one wave later into L2", _SEESAW_Q_PREFETCH),
+    "o_bulk_q_prefetch": Ablation("o_bulk and q_prefetch", _SEESAW_O_BULK + _SEESAW_Q_PREFETCH),
 }
 
 

@@ -32,14 +32,16 @@
 #   narrow-trace  python -m benchmarks.narrow_trace: the narrow CTA's per-tile timeline for the ablation variants
 #                 $TRACE_VARIANTS (default "default,no_gather") on $TRACE_CASE (default the b128 h8 V4.1-Flash decode)
 #   pallas-compile  python -m benchmarks.pallas_lowering --compile (each pallas kernel's device compile, timed),
-#                 then the tiny-model engine's warm-up with impl="pallas" (examples/generate.py; $GEN_TIMEOUT s, 300)
+#                 --engine --compile (one tiny-model engine step: its kernels and compile), then the engine's
+#                 warm-up with impl="pallas" (examples/generate.py; $GEN_TIMEOUT s, 300)
 #   sharded       python -m benchmarks.sharded_decode --devices 1,2 (needs 2 GPUs)
 #   cuda-ablation the quick cuda benchmark for the ablation builds of benchmarks/cuda_ablations.py (patched
 #                 copies of cuda_ffi/csrc/: no_gather no cache reads, no_mma no tensor-core work, neither,
 #                 no_pair decode without head-group pairs, mma_sync the mma.sync consumers on sm_90a);
 #                 not recorded (experiments); $ABLATION picks variants (default: "default no_gather no_mma
 #                 neither mma_sync"), $ABL_CASES the cases (default: decode,prefill), or $ABL_FM_CASES FlashMLA's
-#                 (benchmarks/flashmla_cases.py names, or decode / prefill / few_heads)
+#                 (benchmarks/flashmla_cases.py names, or decode / prefill / few_heads); $ABL_PREBUILT/<variant>/
+#                 libdsv41_cuda.so, where present (built on the CPU machine, passed with `carry`), skips that build
 #   ncu           Nsight Compute (--clock-control none) over one call of the attention kernel per case
 #                 ($NCU_CASES, default decode_headline_h128; prefill_h128_topk2048 can crash Python with
 #                 signal 11 under ncu): a report per case, its details page and its
@@ -121,6 +123,7 @@ for s in "${stages[@]}"; do
         --case "${TRACE_CASE:-fm_decode_b128_h8_k128p256+512p64}" 2>&1 | tee "$OUT/narrow_trace.log" ;;
     pallas-compile)
       run timeout 400 $PY -m benchmarks.pallas_lowering --compile 2>&1 | tee "$OUT/pallas_compile.log"
+      run timeout 300 $PY -m benchmarks.pallas_lowering --engine --compile 2>&1 | tee -a "$OUT/pallas_compile.log"
       run timeout "${GEN_TIMEOUT:-300}" $PY examples/generate.py --platform gpu --impl pallas --kv-format fp8_ds_mla \
         --max-new-tokens 4 2>&1 | tee "$OUT/generate_pallas.log" | grep -vE "^\s*$" | tail -12 ;;
     sanitizer) run timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m tests.cuda_emulator.sanitize_case 2>&1 | tee "$OUT/sanitizer.log" | tail -15 ;;
@@ -128,13 +131,15 @@ for s in "${stages[@]}"; do
     cuda-ablation)
       for name in ${ABLATION:-default no_gather no_mma neither mma_sync}; do
         echo "--- variant $name"
-        $PY -m benchmarks.cuda_ablations "$name" --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" \
-          > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }
+        lib="/tmp/dsv41_$name/libdsv41_cuda.so"
+        if [ -n "${ABL_PREBUILT:-}" ] && [ -f "$ABL_PREBUILT/$name/libdsv41_cuda.so" ]; then lib="$ABL_PREBUILT/$name/libdsv41_cuda.so"
+        else $PY -m benchmarks.cuda_ablations "$name" --out-dir "/tmp/dsv41_$name" --build-dir "/tmp/dsv41_build_$name" \
+          > "$OUT/build_$name.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build_$name.log"; continue; }; fi
         if [ -n "${ABL_FM_CASES:-}" ]; then  # FlashMLA's cases (benchmarks.flashmla_cases names or groups)
-          DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --suite flashmla \
+          DSV41_CUDA_LIB="$lib" run timeout 300 $PY -m benchmarks.sparse_mla --suite flashmla \
             --impls cuda --cases "$ABL_FM_CASES" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(fm_|!!!)" | tee -a "$OUT/ablation.log"
         else
-          DSV41_CUDA_LIB="/tmp/dsv41_$name/libdsv41_cuda.so" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
+          DSV41_CUDA_LIB="$lib" run timeout 300 $PY -m benchmarks.sparse_mla --quick --impls cuda \
             --cases "${ABL_CASES:-decode,prefill}" --out "$OUT/ablation_$name" 2>&1 | grep -E "^(decode|prefill|!!!)" | tee -a "$OUT/ablation.log"
         fi
       done ;;
