@@ -8,8 +8,12 @@ prefill) it traces and lowers the op (`pallas_kernels._interpret.gpu_mode`, `low
 unpacks the Mosaic GPU module each custom call carries and counts its operations by name. The device then
 compiles that module (to PTX, then ptxas) inside XLA's compile: the count is the input of that step. With
 `--compile` (a GPU machine) each lowered configuration is also compiled for this GPU and that compile is timed
-(`jax.stages.Lowered.compile`: XLA's and the Mosaic GPU module's; not yet run on a GPU). Quote the figures in
-benchmarks/RESULTS.md with the commit.
+(`jax.stages.Lowered.compile`: XLA's and the Mosaic GPU module's). With `--engine` it lowers one step of the
+tiny-model engine with `impl="pallas"` and fp8_ds_mla caches instead and counts its Mosaic GPU custom calls and
+their distinct kernel hashes (the GPU compiles one module per hash: layers of one type must share theirs). Quote
+the figures in benchmarks/RESULTS.md with the commit.
+
+    python -m benchmarks.pallas_lowering --engine [--compile]
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import collections
 import sys
 import time
 
-__all__ = ["CONFIGS", "module_op_counts", "main"]
+__all__ = ["CONFIGS", "module_op_counts", "kernel_hashes", "engine_step_lowered", "main"]
 
 # name -> (op, shapes): decode (b, s_q, h, topk, extra topk, page), prefill (s_q, h, topk, s_kv)
 CONFIGS = {
@@ -64,23 +68,57 @@ def _lowered(op: str, shape: tuple):
     return lowered, t1 - t0, t2 - t1
 
 
+def engine_step_lowered(*, max_model_len: int = 128, max_reqs: int = 4):
+    """(lowered step, trace s, lower s) of the tiny-model engine's first step shape, impl="pallas", fp8_ds_mla
+    caches, cross-lowered for CUDA (call inside `_interpret.gpu_mode()`)."""
+    from flax import nnx
+
+    import dsv41_jax as d
+
+    model = d.DeepseekV41Model(d.get_preset("tiny"), rngs=nnx.Rngs(0))
+    eng = d.InferenceEngine(model, d.EngineConfig(max_model_len=max_model_len, max_reqs=max_reqs,
+                                                  kv_format="fp8_ds_mla", impl="pallas", prefill_chunk=16,
+                                                  max_num_batched_tokens=32))
+    t0 = time.perf_counter()
+    traced = eng._fn.trace(eng.params, eng.caches, eng._dummy_inputs(eng.envelope[0]), eng.tables)
+    t1 = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=("cuda",))
+    return lowered, t1 - t0, time.perf_counter() - t1
+
+
+def _walk(op, into, pred):
+    for region in op.regions:
+        for block in region.blocks:
+            for o in block.operations:
+                if pred(o):
+                    into.append(o)
+                _walk(o.operation, into, pred)
+
+
+def _mosaic_calls(lowered) -> list:
+    """The Mosaic GPU custom calls of a lowered computation, in module order."""
+    calls: list = []
+    _walk(lowered.compiler_ir("stablehlo").operation, calls, lambda o: o.operation.name == "stablehlo.custom_call"
+          and "mosaic_gpu" in str(o.attributes["call_target_name"]))
+    return calls
+
+
+def kernel_hashes(lowered) -> list[bytes]:
+    """The kernel hash of each Mosaic GPU custom call of a lowered computation (what the GPU compiles by)."""
+    from jax._src.lib.mlir import ir
+
+    mod = lowered.compiler_ir("stablehlo")
+    with mod.context:
+        return [ir.StringAttr(ir.DictAttr(c.attributes["mhlo.backend_config"])["kernel_hash"]).value_bytes
+                for c in _mosaic_calls(lowered)]
+
+
 def module_op_counts(lowered) -> list[collections.Counter]:
     """Per Mosaic GPU custom call of a lowered computation: its module's operations counted by name."""
     from jax._src.lib.mlir import ir
 
     mod = lowered.compiler_ir("stablehlo")
-    calls = []
-
-    def walk(op, into, pred):
-        for region in op.regions:
-            for block in region.blocks:
-                for o in block.operations:
-                    if pred(o):
-                        into.append(o)
-                    walk(o.operation, into, pred)
-
-    walk(mod.operation, calls, lambda o: o.operation.name == "stablehlo.custom_call"
-         and "mosaic_gpu" in str(o.attributes["call_target_name"]))
+    calls = _mosaic_calls(lowered)
     out = []
     with mod.context as ctx:
         ctx.allow_unregistered_dialects = True  # the module's own dialects need not be registered to count
@@ -88,7 +126,7 @@ def module_op_counts(lowered) -> list[collections.Counter]:
             blob = ir.DictAttr(c.attributes["mhlo.backend_config"])["module"]
             inner = ir.Module.parse(ir.StringAttr(blob).value_bytes)
             ops: list = []
-            walk(inner.operation, ops, lambda o: True)
+            _walk(inner.operation, ops, lambda o: True)
             out.append(collections.Counter(o.operation.name.removeprefix("stable_mosaic_gpu.") for o in ops))
     return out
 
@@ -97,6 +135,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.pallas_lowering", description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--compile", action="store_true", help="also compile each configuration for this GPU, timed")
+    ap.add_argument("--engine", action="store_true",
+                    help="lower one tiny-model engine step (impl=pallas) instead: its custom calls and kernel hashes")
     a = ap.parse_args(argv)
     import jax
 
@@ -104,6 +144,18 @@ def main(argv=None) -> int:
 
     if a.compile and jax.default_backend() != "gpu":
         ap.error(f"--compile needs a GPU backend, got {jax.default_backend()!r}")
+    if a.engine:
+        with _interpret.gpu_mode():
+            lowered, t_trace, t_lower = engine_step_lowered()
+        hashes = kernel_hashes(lowered)
+        compiled = ""
+        if a.compile:
+            t0 = time.perf_counter()
+            lowered.compile()
+            compiled = f", compile {time.perf_counter() - t0:.1f} s"
+        print(f"tiny engine step (impl=pallas, fp8_ds_mla): {len(hashes)} Mosaic GPU custom calls, "
+              f"{len(set(hashes))} distinct kernels; trace {t_trace:.1f} s, lower {t_lower:.1f} s{compiled}", flush=True)
+        return 0
     for name in a.configs.split(","):
         op, shape = CONFIGS[name]
         with _interpret.gpu_mode():

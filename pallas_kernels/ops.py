@@ -23,6 +23,7 @@ the final output, otherwise f32 partials merged by `combine_splits` (jnp).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import jax
@@ -158,6 +159,14 @@ def to_f16(x):
     return to_tile(x.astype(jnp.float32), jnp.float16)  # the kernel's own rounding and saturation
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_fn(spec: KernelSpec):
+    """The kernel of `spec` as one jitted function. Every call of a step (each layer of one type calls the same
+    spec) then traces to the same jaxpr, which JAX lowers once per module: the layers share one Mosaic GPU
+    module and one kernel hash, so the GPU compiles each kernel configuration once per step, not once per layer."""
+    return jax.jit(build_kernel(spec))
+
+
 def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
     """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse.
 
@@ -196,7 +205,7 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
             ops = (to_f16(ops[0]),) + tuple(ops[1:])
         args.extend(ops)
     with _interpret.kernel_context():
-        out, lse, mx = build_kernel(spec)(*args)
+        out, lse, mx = _kernel_fn(spec)(*args)
     if num_splits > 1:
         out, lse, mx = combine_splits(out, lse, mx, sink_p)
     out = out.astype(jnp.bfloat16)

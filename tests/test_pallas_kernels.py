@@ -428,3 +428,17 @@ def test_interpret_mode_refuses_fp8_caches_it_cannot_address():
         assert pops.unsupported_reason("fp8_ds_mla", big) is None  # the GPU kernel: 64-bit addresses
     with _interpret.interpret_mode():
         assert "interpret mode" in pops.unsupported_reason("fp8_ds_mla", big)
+
+
+def test_engine_step_compiles_each_kernel_configuration_once():
+    # The GPU compiles one Mosaic GPU module per kernel hash. Every layer of one type calls the same kernel
+    # configuration, so a step of the tiny model (seven layers of three types, two kernels each) must lower to
+    # one module per configuration, each lowered once: with a module per call (14 distinct hashes, a counter in
+    # each module's name) its first step took ~55 s to compile on the H200 (benchmarks/RESULTS.md).
+    from benchmarks import pallas_lowering as L
+    from pallas_kernels import _interpret
+
+    with _interpret.gpu_mode():
+        lowered, _, _ = L.engine_step_lowered()
+    hashes = L.kernel_hashes(lowered)
+    assert len(hashes) == len(set(hashes)) and 1 <= len(hashes) <= 6, [h.hex()[:8] for h in hashes]
