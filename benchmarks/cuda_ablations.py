@@ -101,24 +101,23 @@ _NO_OUT_STORE = (("consumer.cuh", "    *reinterpret_cast<uint4*>(orow0 + (int64_
                   "    (void)orow0, (void)stage, (void)r, (void)c;\n"),)
 
 # An L2 evict_first policy for the 64-head CTAs' Q loads and output stores (both stream once), so that they do not push
-# the gathered rows, which other CTAs re-read, out of L2. (The same policy as evict_last on the seesaw's kv cp.async
-# copies builds, but faults with an illegal instruction on the H200: benchmarks/RESULTS.md.)
-_L2_POLICY = (
+# the gathered rows, which other CTAs re-read, out of L2. (An evict_last policy on the seesaw's kv cp.async copies
+# builds, but faults with an illegal instruction on the H200: benchmarks/RESULTS.md.)
+_L2_EVICT_FIRST = (
     ("primitives.cuh", "DEVFN void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) {\n",
-     "DEVFN uint64_t l2_policy(bool last) {\n  uint64_t pol;\n"
-     "  if (last) asm volatile(\"createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\" : \"=l\"(pol));\n"
-     "  else asm volatile(\"createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\" : \"=l\"(pol));\n  return pol;\n}\n"
+     "DEVFN uint64_t l2_evict_first() {\n  uint64_t pol;\n"
+     "  asm volatile(\"createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\" : \"=l\"(pol));\n  return pol;\n}\n"
      "DEVFN void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) {\n"),
 )
 _QO_EVICT_FIRST = (
     ("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);\n",
      "      asm volatile(\"ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\" : \"=r\"(v[i].x), \"=r\"(v[i].y), "
-     "\"=r\"(v[i].z), \"=r\"(v[i].w) : \"l\"(q + (c >> 6) * kHeadDim + (c & 63) * 8), \"l\"(l2_policy(false)));\n"),
+     "\"=r\"(v[i].z), \"=r\"(v[i].w) : \"l\"(q + (c >> 6) * kHeadDim + (c & 63) * 8), \"l\"(l2_evict_first()));\n"),
     ("consumer.cuh", "    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
      "        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
      "    {\n      const uint4 ov = *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n"
      "      asm volatile(\"st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\" ::\"l\"(orow0 + (int64_t)r * kHeadDim + 8 * c), "
-     "\"r\"(ov.x), \"r\"(ov.y), \"r\"(ov.z), \"r\"(ov.w), \"l\"(l2_policy(false)) : \"memory\");\n    }\n"),
+     "\"r\"(ov.x), \"r\"(ov.y), \"r\"(ov.z), \"r\"(ov.w), \"l\"(l2_evict_first()) : \"memory\");\n    }\n"),
 )
 
 # The seesaw prefill's output by bulk copies: O staged in the free K buffers (rows 1040 bytes apart: conflict-free
@@ -192,7 +191,7 @@ ABLATIONS = {
                              _NO_OUT_STORE),
     "narrow_no_prefetch_no_l1": Ablation("narrow_no_prefetch and records_no_l1", _NARROW_NO_PREFETCH + _RECORDS_NO_L1),
     "qo_evict_first": Ablation("the 64-head CTAs' Q loads and output stores with an L2 evict_first policy",
-                               _L2_POLICY + _QO_EVICT_FIRST),
+                               _L2_EVICT_FIRST + _QO_EVICT_FIRST),
     "o_bulk": Ablation("the seesaw prefill's output staged in the K buffers and stored by 1 KB bulk copies", _SEESAW_O_BULK),
     "q_prefetch": Ablation("the seesaw prefill prefetching the Q of the CTA one wave later into L2", _SEESAW_Q_PREFETCH),
     "o_bulk_q_prefetch": Ablation("o_bulk and q_prefetch", _SEESAW_O_BULK + _SEESAW_Q_PREFETCH),
