@@ -64,34 +64,6 @@ _RECORDS_NO_L1 = (
      "    bt.v[7] = ldg_na_v4(d + 448 + 32 * q);\n    bt.v[8] = ldg_na_v4(d + 448 + 32 * q + 16);"),
 )
 
-# The narrow CTA's EMPTY hand-off as mbarriers (the pair's PEMPTY slots, unused by one CTA): lane 0 of each consumer
-# warp arrives once its last read of the tile completed, each producer warp waits on the phase by itself, instead
-# of the named barrier of all 384 threads, where every producer warp waits for all the others.
-_NARROW_EMPTY_MBAR = (
-    ("narrow.cuh", "DEVFN void narrow_sync() { bar_sync(kBarConsumers, kNarrowConsumerThreads); }\n",
-     "DEVFN void narrow_sync() { bar_sync(kBarConsumers, kNarrowConsumerThreads); }\n"
-     "DEVFN void narrow_release(char* smem, int tc, int lane) {\n"
-     "  if (lane == 0) mbar_arrive(smem_addr(smem + bar_pempty(tc & 1)));  // (one CTA: its own cluster address)\n}\n"),
-    ("narrow.cuh", "    narrow_consume_tile<R>(smem, tc & 1, acc, scale_log2, w, lane);\n    release_tile(crew, tc, lane);\n",
-     "    narrow_consume_tile<R>(smem, tc & 1, acc, scale_log2, w, lane);\n    narrow_release(smem, tc, lane);\n"),
-    ("narrow.cuh", "      reg_fence<64 * R>(&acc.o[0][0]);\n      release_tile(crew, tc, lane);\n      wgmma_wait<0>();",
-     "      reg_fence<64 * R>(&acc.o[0][0]);\n      narrow_release(smem, tc, lane);\n      wgmma_wait<0>();"),
-    ("narrow.cuh", "      reg_fence<64 * R>(&acc.o[0][0]);\n      release_tile(crew, tc, lane);\n    }\n",
-     "      reg_fence<64 * R>(&acc.o[0][0]);\n      narrow_release(smem, tc, lane);\n    }\n"),
-    ("narrow.cuh", "  const int w = warp_idx(), lane = lane_idx();\n  if (w >= kNarrowConsumerWarps) {",
-     "  const int w = warp_idx(), lane = lane_idx();\n  if (thread_idx() == 0) {\n"
-     "    mbar_init(smem_addr(smem + bar_pempty(0)), kNarrowConsumerWarps);\n"
-     "    mbar_init(smem_addr(smem + bar_pempty(1)), kNarrowConsumerWarps);\n    fence_mbar_init();\n  }\n"
-     "  bar_sync(kBarCta, kThreads);\n  if (w >= kNarrowConsumerWarps) {"),
-    ("producer.cuh", "    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released\n"
-     "    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);",
-     "    if (tc >= 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);\n"
-     "    fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);"),
-    ("producer.cuh", "  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);\n}\n\n"
-     "// Consumers, before reading tile tc",
-     "}\n\n// Consumers, before reading tile tc"),
-)
-
 # What the per-CTA Q read and output store cost (the prefill's 64-head CTAs hold 8 tiles at top-k 512): Q rows from
 # a constant instead of global memory, the staged output not stored (shared with the decode's CTA; timing only).
 _NO_Q_READ = (("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);\n",
@@ -184,8 +156,6 @@ ABLATIONS = {
     "narrow_no_prefetch": Ablation("the narrow CTA's producers without their L2 prefetch", _NARROW_NO_PREFETCH),
     "records_no_l1": Ablation("the producers' fp8 record loads without L1 allocation (ld.global.nc.L1::no_allocate)",
                               _RECORDS_NO_L1),
-    "narrow_empty_mbar": Ablation("the narrow CTA's EMPTY hand-off by mbarriers each producer warp waits on alone",
-                                  _NARROW_EMPTY_MBAR),
     "no_q_read": Ablation("the 64-head CTAs' Q rows from a constant, not read from global memory", _NO_Q_READ),
     "no_out_store": Ablation("the 64-head CTAs' staged output (decode's one-piece requests, prefill) not stored",
                              _NO_OUT_STORE),

@@ -120,7 +120,7 @@ def test_narrow_trace_patches_apply_and_summarize(tmp_path):
     from benchmarks import narrow_trace as T
     from cuda_ffi import build as cbuild
 
-    for variant in ("default", "no_gather", "narrow_no_prefetch", "narrow_empty_mbar"):
+    for variant in ("default", "no_gather", "narrow_no_prefetch"):
         src = cbuild.copy_sources(tmp_path / variant / "csrc", A.ABLATIONS[variant].patches + T.TRACE_PATCHES)
         text = (src / "narrow.cuh").read_text() + (src / "producer.cuh").read_text()
         assert text.count("narrow_trace(0,") == 10 and text.count("narrow_trace(1 + pw,") == 4, variant

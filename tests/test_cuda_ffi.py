@@ -37,7 +37,6 @@ import pytest
 
 import cuda_ffi
 from cuda_ffi import build as cbuild
-from benchmarks.cuda_ablations import ABLATIONS
 from tests.cuda_emulator import build as ebuild
 from dsv41_jax import make_decode_plan, plan_decode_splits, plan_is_stale, sparse_mla_decode, sparse_mla_prefill
 from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
@@ -847,39 +846,9 @@ _PLANTS = {
     2: ("producer.cuh", "if (pair) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);", ""),
     3: ("pair.cuh", "if constexpr (C::ncta == 2) cluster_sync();", ""),
 }
-# The experiment benchmarks/cuda_ablations.py prepares for the narrow CTA's EMPTY hand-off (mbarriers instead of the
-# named barrier) must compute what the product computes, so that its timing is the product's with one change.
-_NARROW_EMPTY_MBAR_SCRIPT = '''
-import sys
-import tests.cuda_emulator.emulate as E
-E.load(path=sys.argv[1])
-from tests.attention_cases import DECODE_GRID, make_decode_case
-from tests.test_cuda_ffi import _decode_call
-grid, n = dict(DECODE_GRID), 0
-for h in (1, 8, 16, 32):
-    for name in ("fp8_extra_p2", "bf16_p64", "fp8_zero_len", "fp8_p61"):
-        case = make_decode_case(600 + n, **dict(grid[name], h_q=h))
-        n += 1
-        for seed in (1, 2):
-            case.check(*E.decode_emulated(_decode_call(case), num_sms=16, seed=seed), "narrow_empty_mbar")
-case = make_decode_case(640, b=5, s_q=2, h_q=8, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
-                        extra=dict(topk=192, block_size=2, fmt="fp8_ds_mla", lengths="var"))
-case.check(*E.decode_emulated(_decode_call(case), num_sms=6, seed=3), "narrow_empty_mbar split pieces")
-print("EMPTY-MBAR-OK")
-'''
-
-
-@pytest.mark.slow
-def test_emulated_narrow_empty_mbar_experiment(background, tmp_path):
-    rc, out = _variant(background, "narrow_empty_mbar", tmp_path)
-    assert rc == 0 and "EMPTY-MBAR-OK" in out, out[-3000:]
-
-
 # background job -> (patches of csrc/, script); the test each belongs to
 _VARIANTS = {
     "plant0": ((), _PLANT_SCRIPT),
     **{f"plant{n}": ((patch,), _PLANT_SCRIPT) for n, patch in _PLANTS.items()},
-    "narrow_empty_mbar": (ABLATIONS["narrow_empty_mbar"].patches, _NARROW_EMPTY_MBAR_SCRIPT),
 }
-_VARIANT_TESTS = {"test_emulator_catches_planted_pair_bugs": "plant",
-                  "test_emulated_narrow_empty_mbar_experiment": "narrow_empty_mbar"}
+_VARIANT_TESTS = {"test_emulator_catches_planted_pair_bugs": "plant"}

@@ -76,6 +76,14 @@ DEVFN void narrow_reset(NarrowAcc<R>& a) {
 }
 
 DEVFN void narrow_sync() { bar_sync(kBarConsumers, kNarrowConsumerThreads); }
+// The consumers' release of tile tc: one arrival per warp on the buffer's EMPTY mbarrier (the pair's PEMPTY
+// slots, unused by one CTA), after the warp's reads of the tile (the __syncwarp orders its lanes' accesses
+// before lane 0's arrival). Each producer warp then waits for the phase by itself, where a named barrier of
+// all 384 threads would make every producer warp wait for the slowest of the others as well.
+DEVFN void narrow_release(char* smem, int tc, int lane) {
+  syncwarp();
+  if (lane == 0) mbar_arrive(smem_addr(smem + bar_pempty(tc & 1)));
+}
 
 // Q rows 0..16R-1 of one query token (bf16 [h_q][512] from global; rows past h_q zero) as f16 into the
 // swizzled Q region; the 128 consumer threads, 8R loads each in flight; ends with the consumer barrier.
@@ -221,7 +229,7 @@ DEVFN void narrow_consume_tiles(const C& crew, char* smem, int tc0, int n, Narro
   for (int tc = tc0; tc < tc0 + n; ++tc) {
     await_tile(crew, tc, w);
     narrow_consume_tile<R>(smem, tc & 1, acc, scale_log2, w, lane);
-    release_tile(crew, tc, lane);
+    narrow_release(smem, tc, lane);
   }
 }
 
@@ -487,13 +495,13 @@ DEVFN void narrow_consume_tiles(const C& crew, char* smem, int tc0, int n, Narro
       narrow_issue_s<R>(smem, (tc + 1) & 1, s);
       wgmma_wait<1>();
       reg_fence<64 * R>(&acc.o[0][0]);
-      release_tile(crew, tc, lane);
+      narrow_release(smem, tc, lane);
       wgmma_wait<0>();
       reg_fence<8 * R>(s);
     } else {
       wgmma_wait<0>();
       reg_fence<64 * R>(&acc.o[0][0]);
-      release_tile(crew, tc, lane);
+      narrow_release(smem, tc, lane);
     }
   }
 }
@@ -614,6 +622,12 @@ DEVFN void decode_narrow_cta(const DecodeParams& p, char* smem_raw) {
   const int part = (int)(bid / p.s_q);
   const DecodeWork wk = decode_work(p, part);
   const int w = warp_idx(), lane = lane_idx();
+  if (thread_idx() == 0) {  // EMPTY: one arrival per consumer warp (narrow_release)
+    mbar_init(smem_addr(smem + bar_pempty(0)), kNarrowConsumerWarps);
+    mbar_init(smem_addr(smem + bar_pempty(1)), kNarrowConsumerWarps);
+    fence_mbar_init();
+  }
+  bar_sync(kBarCta, kThreads);
   if (w >= kNarrowConsumerWarps) {
     setmaxnreg_dec<NarrowCrew::producer_regs>();
     TileCursor cur(p, wk, s);

@@ -482,6 +482,8 @@ DEVFN void produce_tiles(char* smem, const C& crew, const Pools& ps, int pw, int
 // prefetched into L2, tile tc gathered, and tile tc + 1's batch loaded as soon as tile tc is stored. With
 // one batch per warp the gather of a tile is one load latency, so the L2 prefetch must run a whole tile
 // period ahead of the load it serves: a prefetch one tile ahead would precede its load by one fill only.
+// EMPTY is the mbarrier pair of narrow_release (narrow.cuh): each warp waits for a buffer's release by itself,
+// and mbarrier phases need no drain at the end.
 template <class C, class Next>
 DEVFN void produce_tiles_deep(char* smem, const C& crew, const Pools& ps, int pw, int lane, Next&& next) {
   static_assert(C::ncta == 1 && C::batches == 1 && !C::wg1_addr && !C::split, "one CTA, one batch per warp");
@@ -500,7 +502,7 @@ DEVFN void produce_tiles_deep(char* smem, const C& crew, const Pools& ps, int pw
     const TileAddr<1> a2 = tile_addr<1>(ps, t2, i2, sh, lane);
     tile_prefetch<1>(ps, t2, a2, lane);
     const int buf = tc & 1;
-    if (tc >= 2) bar_sync(kBarEmpty0 + buf, kThreads);  // tile tc - 2 released
+    if (tc >= 2) mbar_wait(smem_addr(smem + bar_pempty(buf)), (uint32_t)((tc >> 1) - 1) & 1u);  // tile tc - 2 released
     fill_tile<1>(smem, crew, buf, ps, t0, a0, sh, lane, first);
     load_batch(ps, t1, a1, 0, lane, first);  // (nothing when !t1.ok)
     bar_arrive(kBarFull0 + buf, C::full_count);
@@ -511,7 +513,6 @@ DEVFN void produce_tiles_deep(char* smem, const C& crew, const Pools& ps, int pw
     t2 = t3;
     i2 = i3;
   }
-  for (int i = tc - 2 < 0 ? 0 : tc - 2; i < tc; ++i) bar_sync(kBarEmpty0 + (i & 1), kThreads);
 }
 
 // Consumers, before reading tile tc / after their last read of it.
