@@ -13,7 +13,7 @@ tiny-model engine with `impl="pallas"` and fp8_ds_mla caches instead and counts 
 their distinct kernel hashes (the GPU compiles one module per hash: layers of one type must share theirs). Quote
 the figures in benchmarks/RESULTS.md with the commit.
 
-    python -m benchmarks.pallas_lowering --engine [--compile]
+    python -m benchmarks.pallas_lowering --engine [--compile] [--engine-impl xla]
 """
 
 from __future__ import annotations
@@ -68,16 +68,17 @@ def _lowered(op: str, shape: tuple):
     return lowered, t1 - t0, t2 - t1
 
 
-def engine_step_lowered(*, max_model_len: int = 128, max_reqs: int = 4):
-    """(lowered step, trace s, lower s) of the tiny-model engine's first step shape, impl="pallas", fp8_ds_mla
-    caches, cross-lowered for CUDA (call inside `_interpret.gpu_mode()`)."""
+def engine_step_lowered(*, max_model_len: int = 128, max_reqs: int = 4, impl: str = "pallas"):
+    """(lowered step, trace s, lower s) of the tiny-model engine's first step shape, fp8_ds_mla caches, `impl`
+    ("pallas", or "xla" for the same step without Mosaic GPU kernels), cross-lowered for CUDA (call inside
+    `_interpret.gpu_mode()`)."""
     from flax import nnx
 
     import dsv41_jax as d
 
     model = d.DeepseekV41Model(d.get_preset("tiny"), rngs=nnx.Rngs(0))
     eng = d.InferenceEngine(model, d.EngineConfig(max_model_len=max_model_len, max_reqs=max_reqs,
-                                                  kv_format="fp8_ds_mla", impl="pallas", prefill_chunk=16,
+                                                  kv_format="fp8_ds_mla", impl=impl, prefill_chunk=16,
                                                   max_num_batched_tokens=32))
     t0 = time.perf_counter()
     traced = eng._fn.trace(eng.params, eng.caches, eng._dummy_inputs(eng.envelope[0]), eng.tables)
@@ -137,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="also compile each configuration for this GPU, timed")
     ap.add_argument("--engine", action="store_true",
                     help="lower one tiny-model engine step (impl=pallas) instead: its custom calls and kernel hashes")
+    ap.add_argument("--engine-impl", default="pallas", choices=("pallas", "xla"),
+                    help="the engine step's attention impl (xla: the same step's compile without Mosaic GPU kernels)")
     a = ap.parse_args(argv)
     import jax
 
@@ -146,14 +149,14 @@ def main(argv=None) -> int:
         ap.error(f"--compile needs a GPU backend, got {jax.default_backend()!r}")
     if a.engine:
         with _interpret.gpu_mode():
-            lowered, t_trace, t_lower = engine_step_lowered()
+            lowered, t_trace, t_lower = engine_step_lowered(impl=a.engine_impl)
         hashes = kernel_hashes(lowered)
         compiled = ""
         if a.compile:
             t0 = time.perf_counter()
             lowered.compile()
             compiled = f", compile {time.perf_counter() - t0:.1f} s"
-        print(f"tiny engine step (impl=pallas, fp8_ds_mla): {len(hashes)} Mosaic GPU custom calls, "
+        print(f"tiny engine step (impl={a.engine_impl}, fp8_ds_mla): {len(hashes)} Mosaic GPU custom calls, "
               f"{len(set(hashes))} distinct kernels; trace {t_trace:.1f} s, lower {t_lower:.1f} s{compiled}", flush=True)
         return 0
     for name in a.configs.split(","):

@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=128)
     ap.add_argument("--max-batched-tokens", type=int, default=32, help="most tokens in one step")
+    ap.add_argument("--compile-threads", type=int, default=None,
+                    help="threads compiling the warm-up's step shapes (default: the engine's)")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu" if args.platform == "cpu" else "cuda,cpu")
 
@@ -58,9 +60,9 @@ def main(argv=None) -> int:
     prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(5, 40, args.requests)]
     print(f"{len(prompts)} prompts of lengths {[len(p) for p in prompts]}, {args.kv_format} caches, impl={args.impl}")
 
-    ws = engine.warmup()
-    print(f"warm-up: {ws.num_compiled} step shapes compiled in {ws.seconds:.1f} s (before generate, not in the "
-          f"figures below)")
+    ws = engine.warmup(compile_threads=args.compile_threads)
+    print(f"warm-up: {ws.num_compiled} step shapes compiled in {ws.seconds:.1f} s on {ws.compile_threads} threads "
+          f"(before generate, not in the figures below)")
     with Progress(TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
         task = bar.add_task("decode", total=max(args.max_new_tokens - 1, 0))
         outs, stats = engine.generate(prompts, args.max_new_tokens, on_step=lambda i, n: bar.advance(task),

@@ -32,6 +32,7 @@ says how decode and prefill tokens attend).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -62,6 +63,9 @@ _log = logging.getLogger("dsv41_jax.engine")  # the name users configure, whatev
 # The step token budget without an explicit max_num_batched_tokens (vLLM's chunked-prefill default): every
 # token bucket up to it is compiled, so the default keeps warm-up bounded whatever max_model_len is.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Threads compiling step shapes in `warmup` (each XLA compile is mostly single-threaded, and holds a step's
+# HLO and kernels in memory while it runs).
+DEFAULT_COMPILE_THREADS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,29 +222,66 @@ class InferenceEngine:
         return StepInputs(jnp.asarray(np.zeros(shape.tokens, np.int32)), cm, cbt,
                           jnp.asarray(np.zeros(shape.reqs, np.int32)))
 
+    def _lower(self, shape: StepShape) -> jax.stages.Lowered:
+        return self._fn.lower(self.params, self.caches, self._dummy_inputs(shape), self.tables)
+
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
-        exe = self._fn.lower(self.params, self.caches, self._dummy_inputs(shape), self.tables).compile()
+        exe = self._lower(shape).compile()
         self._executables[shape] = exe
         return exe
 
-    def warmup(self, *, progress: bool = True) -> WarmupStats:
+    def warmup(self, *, progress: bool = True, compile_threads: int | None = None) -> WarmupStats:
         """Compile every step shape of the envelope not compiled yet; returns (and keeps in `warmup_stats`)
         the count and seconds. Each shape logs a line on the `dsv41_jax.engine` logger (INFO) and, with
-        `progress`, on stderr."""
+        `progress`, on stderr.
+
+        Shapes are lowered one after another (tracing holds the GIL) and compiled on `compile_threads`
+        threads (default: min(shapes, DEFAULT_COMPILE_THREADS)), XLA's compile running outside the GIL, so
+        the next shape lowers while the last ones compile. A shape's seconds are its own lowering plus its
+        compile, which may overlap other shapes'; `seconds` is the warm-up's wall time."""
         todo = [sh for sh in self.envelope if sh not in self._executables]
+        if compile_threads is None:
+            compile_threads = max(1, min(len(todo), DEFAULT_COMPILE_THREADS))
+        elif isinstance(compile_threads, bool) or not isinstance(compile_threads, int) or compile_threads < 1:
+            raise ValueError(f"warmup(compile_threads=...) must be a positive int or None, got {compile_threads!r}")
         t0 = time.perf_counter()
-        per = []
-        for i, shape in enumerate(todo):
-            ts = time.perf_counter()
-            self._compile(shape)
-            dt = time.perf_counter() - ts
-            per.append((shape, dt))
-            line = f"warm-up [{i + 1}/{len(todo)}] {shape}: compiled in {dt:.1f} s"
+        per: dict[StepShape, float] = {}
+        done = 0
+
+        def report(shape: StepShape, t_lower: float, t_compile: float) -> None:
+            nonlocal done
+            done += 1
+            per[shape] = t_lower + t_compile
+            line = (f"warm-up [{done}/{len(todo)}] {shape}: compiled in {t_lower + t_compile:.1f} s "
+                    f"(lowering {t_lower:.1f} s)")
             _log.info(line)
             if progress:
                 print(line, file=sys.stderr, flush=True)
+
+        def compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float]:
+            tc = time.perf_counter()
+            exe = lowered.compile()
+            return exe, time.perf_counter() - tc
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=compile_threads,
+                                                   thread_name_prefix="dsv41-compile") as pool:
+            pending: dict[concurrent.futures.Future, tuple[StepShape, float]] = {}
+            for shape in todo:
+                tl = time.perf_counter()
+                lowered = self._lower(shape)
+                pending[pool.submit(compile_one, lowered)] = (shape, time.perf_counter() - tl)
+                for fut in [f for f in pending if f.done()]:  # report what finished while this shape lowered
+                    shape_f, t_lower = pending.pop(fut)
+                    exe, t_compile = fut.result()
+                    self._executables[shape_f] = exe
+                    report(shape_f, t_lower, t_compile)
+            for fut in concurrent.futures.as_completed(list(pending)):
+                shape_f, t_lower = pending.pop(fut)
+                exe, t_compile = fut.result()
+                self._executables[shape_f] = exe
+                report(shape_f, t_lower, t_compile)
         stats = WarmupStats(num_compiled=len(todo), num_shapes=len(self.envelope), seconds=time.perf_counter() - t0,
-                            per_shape=tuple(per))
+                            per_shape=tuple((sh, per[sh]) for sh in todo), compile_threads=compile_threads)
         self.warmup_stats = stats
         return stats
 

@@ -34,13 +34,15 @@ class StepTiming:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupStats:
-    """One warm-up: executables compiled, of the envelope's `num_shapes`, in `seconds` (lowering and
-    compiling), with each compiled shape's seconds."""
+    """One warm-up: executables compiled, of the envelope's `num_shapes`, in `seconds` (wall time of lowering and
+    compiling), with each compiled shape's own seconds (its lowering and compile; with `compile_threads` > 1
+    shapes compile concurrently, so these may sum to more than `seconds`)."""
 
     num_compiled: int
     num_shapes: int
     seconds: float
     per_shape: tuple[tuple[StepShape, float], ...] = ()
+    compile_threads: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
