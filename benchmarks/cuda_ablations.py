@@ -92,62 +92,57 @@ _QO_EVICT_FIRST = (
      "\"r\"(ov.x), \"r\"(ov.y), \"r\"(ov.z), \"r\"(ov.w), \"l\"(l2_evict_first()) : \"memory\");\n    }\n"),
 )
 
-# The seesaw prefill's next Q: loaded under the output's copy-out into the accumulator's registers (dead once staged;
-# ptxas keeps them in place over the item loop, other registers spill), converted to the Q region after the
-# copy-out's barrier (ptxas warns C7511: the wgmmas serialised); or by load_q with 16 loads in flight per thread;
-# or no persistence (one item per CTA, as many CTAs as items).
-_SEESAW_Q_UNDER_COPY = (
+# The seesaw prefill's output by bulk copies: O staged in the free K buffers (rows 1040 bytes apart: conflict-free
+# staging stores, each row contiguous), then one 1 KB cp.async.bulk per row; the CTA waits only until its shared
+# memory has been read, not for the global writes.
+_SEESAW_O_BULK = (
     ("seesaw.cuh", "DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {\n",
-     "DEVFN void seesaw_epilogue(char* smem, Acc& acc, int w, int lane, uint16_t* orow0, float* lse0, float* maxl0,\n"
-     "                           const float* sink0, const uint16_t* next_q) {\n"
-     "  const int ct = thread_idx();\n"
-     "  stage_final<true>(smem, acc, w, lane, lse0, maxl0, sink0);\n"
-     "  if (next_q) {\n"
+     "DEVFN void write_final_bulk(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,\n"
+     "                             float* maxl0, const float* sink0) {\n"
+     "  const int g = lane >> 2, t = lane & 3;\n"
+     "  char* stage = smem + kSmemK;\n"
      "#pragma unroll\n"
-     "    for (int i = 0; i < 16; ++i) {\n"
-     "      const int c = ct + kConsumerThreads * i;\n"
-     "      const uint4 v = ldg_nc_v4(next_q + (c >> 6) * kHeadDim + (c & 63) * 8);\n"
-     "      acc.o[i][0] = bits_f32(v.x);\n"
-     "      acc.o[i][1] = bits_f32(v.y);\n"
-     "      acc.o[i][2] = bits_f32(v.z);\n"
-     "      acc.o[i][3] = bits_f32(v.w);\n"
+     "  for (int hr = 0; hr < 2; ++hr) {\n"
+     "    const int r = o_row(w, 0, g) + 8 * hr;\n"
+     "    const FinalRow fr = final_row(smem, r, sink0);\n"
+     "#pragma unroll\n"
+     "    for (int n = 0; n < 32; ++n) {\n"
+     "      const int c = 32 * (w >> 2) + n;\n"
+     "      *reinterpret_cast<uint32_t*>(stage + r * 1040 + 16 * c + 4 * t) =\n"
+     "          pack_bf16x2(acc.o[n][2 * hr] * fr.factor, acc.o[n][2 * hr + 1] * fr.factor);\n"
+     "    }\n"
+     "    if ((w >> 2) == 0 && t == 0) {\n"
+     "      lse0[r] = fr.lse_nat;\n"
+     "      maxl0[r] = fr.maxl;\n"
      "    }\n"
      "  }\n"
-     "  copy_out_staged(smem, orow0);\n"
+     "  fence_proxy_async_always();\n"
      "  bar_sync(kBarConsumers, kConsumerThreads);\n"
-     "  if (next_q) {\n"
-     "#pragma unroll\n"
-     "    for (int i = 0; i < 16; ++i) {\n"
-     "      const int c = ct + kConsumerThreads * i;\n"
-     "      const uint4 v = make_u4(f32_bits(acc.o[i][0]), f32_bits(acc.o[i][1]), f32_bits(acc.o[i][2]),\n"
-     "                              f32_bits(acc.o[i][3]));\n"
-     "      *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v);\n"
-     "    }\n"
-     "    fence_proxy_async();\n"
-     "    bar_sync(kBarConsumers, kConsumerThreads);\n"
+     "  const int r = thread_idx();\n"
+     "  if (r < 64) {\n"
+     "    asm volatile(\"cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 1024;\" ::\"l\"(orow0 + (int64_t)r * kHeadDim),\n"
+     "                 \"r\"(smem_addr(stage + r * 1040)) : \"memory\");\n"
+     "    asm volatile(\"cp.async.bulk.commit_group;\" ::: \"memory\");\n"
+     "    asm volatile(\"cp.async.bulk.wait_group.read 0;\" ::: \"memory\");\n"
      "  }\n"
      "}\n\n"
      "DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {\n"),
-    ("seesaw.cuh",
-     "    write_final_staged<true, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,\n"
-     "                                   p.max_logits + head_row, group_sink(p.sink, group));\n"
-     "    const int64_t nit = it + stride;  // the next item's Q (the staging region is free again)\n"
-     "    int nlen = 0;\n"
-     "    npairs = nit < items ? npairs_of(nit / p.num_groups, &nlen) : 0;\n"
-     "    if (npairs > 0) {\n"
-     "      const int64_t nrow = (nit / p.num_groups) * p.h_pad + (int64_t)(nit % p.num_groups) * kHeadsPerCta;\n"
-     "      load_q(smem, p.q + nrow * kHeadDim, thread_idx());\n"
-     "    }\n",
-     "    const int64_t nit = it + stride;\n"
-     "    int nlen = 0;\n"
-     "    npairs = nit < items ? npairs_of(nit / p.num_groups, &nlen) : 0;\n"
-     "    const int64_t nrow = (nit / p.num_groups) * p.h_pad + (int64_t)(nit % p.num_groups) * kHeadsPerCta;\n"
-     "    seesaw_epilogue(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,\n"
-     "                    group_sink(p.sink, group), npairs > 0 ? p.q + nrow * kHeadDim : nullptr);\n"),
+    ("seesaw.cuh", "  write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,\n",
+     "  write_final_bulk(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,\n"),
 )
-_SEESAW_Q16 = (("seesaw.cuh", "      load_q(smem, p.q + nrow * kHeadDim, thread_idx());\n",
-                "      load_q<16>(smem, p.q + nrow * kHeadDim, thread_idx());\n"),)
-_SEESAW_PER_ITEM = (("prefill.cu", "    if (sms > 0 && grid > sms) q.num_ctas = sms;\n", "    (void)sms;\n"),)
+# The seesaw prefill's Q of the CTA that runs next on this SM (about one wave, 132 CTAs, later) prefetched into L2 at
+# the CTA's start, so its load hits L2.
+_SEESAW_Q_PREFETCH = (
+    ("seesaw.cuh", "  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);\n",
+     "  if (thread_idx() == kConsumerThreads) {\n"
+     "    const int64_t nb = bid + 132;\n"
+     "    if (nb < (int64_t)p.num_groups * p.s_q) {\n"
+     "      const uint16_t* qn = p.q + ((nb / p.num_groups) * p.h_pad + (nb % p.num_groups) * kHeadsPerCta) * kHeadDim;\n"
+     "      asm volatile(\"cp.async.bulk.prefetch.L2.global [%0], 65536;\" ::\"l\"(qn) : \"memory\");\n"
+     "    }\n"
+     "  }\n"
+     "  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);\n"),
+)
 
 ABLATIONS = {
     "default": Ablation("the product's kernels, built the same way (the reference row)"),
@@ -167,11 +162,9 @@ ABLATIONS = {
     "narrow_no_prefetch_no_l1": Ablation("narrow_no_prefetch and records_no_l1", _NARROW_NO_PREFETCH + _RECORDS_NO_L1),
     "qo_evict_first": Ablation("the 64-head CTAs' Q loads and output stores with an L2 evict_first policy",
                                _L2_EVICT_FIRST + _QO_EVICT_FIRST),
-    "seesaw_q_under_copy": Ablation("the seesaw's next Q loaded under the output's copy-out (accumulator registers)",
-                                    _SEESAW_Q_UNDER_COPY),
-    "seesaw_q16": Ablation("the seesaw's next Q by load_q with 16 loads in flight per thread", _SEESAW_Q16),
-    "seesaw_per_item": Ablation("the seesaw without persistence: one item per CTA, as many CTAs as items",
-                                _SEESAW_PER_ITEM),
+    "o_bulk": Ablation("the seesaw prefill's output staged in the K buffers and stored by 1 KB bulk copies", _SEESAW_O_BULK),
+    "q_prefetch": Ablation("the seesaw prefill prefetching the Q of the CTA one wave later into L2", _SEESAW_Q_PREFETCH),
+    "o_bulk_q_prefetch": Ablation("o_bulk and q_prefetch", _SEESAW_O_BULK + _SEESAW_Q_PREFETCH),
 }
 
 

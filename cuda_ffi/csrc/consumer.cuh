@@ -541,9 +541,9 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
 // conflicts), then the 256 consumers store it with coalesced 16-byte writes (the direct 4-byte stores leave each
 // 32-byte sector half used). lse and max_logits (when kMaxl) as write_final. kBarAfter: a barrier after the
 // copy-out, so that the caller may overwrite the Q region (the next segment's load_q).
-// stage_final: the staging tile, lse and max_logits; ends with the consumer barrier.
-template <bool kMaxl>
-DEVFN void stage_final(char* smem, const Acc& acc, int w, int lane, float* lse0, float* maxl0, const float* sink0) {
+template <bool kMaxl, bool kBarAfter>
+DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
+                              float* maxl0, const float* sink0) {
   const int g = lane >> 2, t = lane & 3;
   char* stage = smem + kSmemQ;
 #pragma unroll
@@ -562,10 +562,6 @@ DEVFN void stage_final(char* smem, const Acc& acc, int w, int lane, float* lse0,
     }
   }
   bar_sync(kBarConsumers, kConsumerThreads);
-}
-// copy_out_staged: the staging tile to out rows orow0 (no barrier).
-DEVFN void copy_out_staged(const char* smem, uint16_t* orow0) {
-  const char* stage = smem + kSmemQ;
   const int ct = thread_idx();
 #pragma unroll 4
   for (int i = 0; i < 16; ++i) {
@@ -573,12 +569,6 @@ DEVFN void copy_out_staged(const char* smem, uint16_t* orow0) {
     *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =
         *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));
   }
-}
-template <bool kMaxl, bool kBarAfter>
-DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
-                              float* maxl0, const float* sink0) {
-  stage_final<kMaxl>(smem, acc, w, lane, lse0, maxl0, sink0);
-  copy_out_staged(smem, orow0);
   if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
 }
 

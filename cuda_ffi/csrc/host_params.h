@@ -369,7 +369,6 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->h_pad = (int32_t)h_pad;
   p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
   p->pair = 0;
-  p->num_ctas = (int32_t)grid;  // one item per CTA unless the launcher packs them (launch_prefill)
   return "";
 }
 

@@ -112,9 +112,6 @@ struct PrefillParams {
   float scale_log2;
   int32_t s_q, h_pad, num_groups;
   int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
-  // CTAs of the seesaw launch (seesaw.cuh): CTA b serves items b, b + num_ctas, ... (item = query token *
-  // num_groups + group); the launcher sets it to at most one CTA per SM. Other CTAs serve one item each.
-  int32_t num_ctas;
 };
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P

@@ -22,24 +22,6 @@ __global__ void __launch_bounds__(kThreads, 1) dsv41_prefill_f16_kernel(const __
 #endif
 }
 
-// The SMs of the current device when it runs the seesaw (sm_90: the sm_90a build), else 0.
-static cudaError_t seesaw_sms(int* sms) {
-  static int cached[64];  // per device: SM count + 1 for sm_90, 1 for other devices, 0 not yet asked
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  int c = dev < 64 ? __atomic_load_n(&cached[dev], __ATOMIC_ACQUIRE) : 0;
-  if (c == 0) {
-    int major = 0, n = 0;
-    if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-    c = major == 9 ? n + 1 : 1;
-    if (dev < 64) __atomic_store_n(&cached[dev], c, __ATOMIC_RELEASE);
-  }
-  *sms = c - 1;
-  return cudaSuccess;
-}
-
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   static unsigned long long done = 0;
   static unsigned long long done_f16 = 0;
@@ -48,11 +30,7 @@ cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (p.kv.fmt == kFmtF16) {
     cudaError_t e = ensure_smem_limit((const void*)dsv41_prefill_f16_kernel, kSmemLaunchBytes, &done_f16);
     if (e != cudaSuccess) return e;
-    int sms = 0;
-    if ((e = seesaw_sms(&sms)) != cudaSuccess) return e;
-    PrefillParams q = p;  // the seesaw: one persistent CTA per SM (one fits: kSmemLaunchBytes)
-    if (sms > 0 && grid > sms) q.num_ctas = sms;
-    return launch_attention(dsv41_prefill_f16_kernel, q, (long long)q.num_ctas, false, stream);
+    return launch_attention(dsv41_prefill_f16_kernel, p, grid, false, stream);
   }
   // p.pair is always 0 (host_params.h): one CTA per head group, the paired kernel is not built
   auto* kernel = dsv41_prefill_kernel<false>;

@@ -6,7 +6,7 @@
 // registers across the copy latency, and the consumers can share the tensor work evenly. Other
 // builds (the sm_100a mma.sync path) run prefill_cta over the same rows (no conversion there either).
 //
-// Persistent CTAs (at most one per SM) over the items (query token, 64-head group), 384 threads, the shared-memory map of kernels.cuh
+// One CTA per (query token, 64-head group), 384 threads, the shared-memory map of kernels.cuh
 // (params.h): Q f16 [64][512], K f16 [2 buffers][64 tokens][512], P f16 [2][64][64].
 // Tiles go in pairs: tile 2i into buffer 0, tile 2i + 1 into buffer 1 (a missing last tile is an
 // all-masked one: zero-filled, no reads). Each buffer is two halves, dims 0..255 (column blocks
@@ -65,8 +65,7 @@ DEVFN SwIdx sw_load_idx(const int32_t* row, int len, int pair, int rbase) {
   return x;
 }
 
-// Pairs gp0 .. gp0 + npairs - 1 of the CTA (the mbarrier phases run on over the CTA's items).
-DEVFN void seesaw_produce(char* smem, const PrefillParams& p, int64_t s, int len, int npairs, int gp0, int pt) {
+DEVFN void seesaw_produce(char* smem, const PrefillParams& p, int64_t s, int len, int npairs, int pt) {
   const int wp = pt >> 5, lane = pt & 31, ig = lane & 7;
   const int rbase = 16 * wp + (lane >> 3);  // rows rbase + 4 lr
   const int32_t* row = p.kv.indices + s * (int64_t)p.kv.topk;
@@ -96,7 +95,7 @@ DEVFN void seesaw_produce(char* smem, const PrefillParams& p, int64_t s, int len
       }
     }
     if (i + 1 < npairs) nxt = sw_load_idx(row, len, i + 1, rbase);  // consumed next iteration
-    const uint32_t fpar = (uint32_t)((gp0 + i) & 1) ^ 1u;  // FREE: the CTA's first wait of each half passes at once
+    const uint32_t fpar = (uint32_t)(i & 1) ^ 1u;  // FREE: the first wait of each half passes at once
     // Halves in the order their readers release them: K0 low, K1 high, K0 high, K1 low.
 #pragma unroll
     for (int st = 0; st < 4; ++st) {
@@ -196,11 +195,11 @@ DEVFN void sw_publish_base(float* sm, const Acc& acc, int r0, int t, int bar) {
 }
 
 // Warpgroup 0: tiles 2i (buffer 0), O[:, 0:256].
-DEVFN void seesaw_wg0(char* smem, int npairs, int gp0, Acc& acc, float scale_log2, int w, int lane) {
+DEVFN void seesaw_wg0(char* smem, int npairs, Acc& acc, float scale_log2, int w, int lane) {
   const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
   float* sm = reinterpret_cast<float*>(smem + kSmemRowMax);  // the published base, [64]
   float s[8][4];
-  sw_qk<0>(smem, 0, (uint32_t)gp0 & 1u, s, 0u);
+  sw_qk<0>(smem, 0, 0u, s, 0u);
 #pragma unroll 1
   for (int i = 0; i < npairs; ++i) {
     sw_mask(smem, 0, s, scale_log2, t);
@@ -247,7 +246,7 @@ DEVFN void seesaw_wg0(char* smem, int npairs, int gp0, Acc& acc, float scale_log
     pv_issue(acc, sw_pdesc(smem, 1), sw_vdesc(smem, 1, 0));
     const uint32_t free_k1lo = smem_addr(smem + sw_free(1, 0));
     if (i + 1 < npairs) {
-      sw_qk<0>(smem, 0, (uint32_t)(gp0 + i + 1) & 1u, s, free_k1lo);
+      sw_qk<0>(smem, 0, (uint32_t)(i + 1) & 1u, s, free_k1lo);
     } else {
       wgmma_wait<0>();
       mbar_arrive(free_k1lo);
@@ -257,13 +256,13 @@ DEVFN void seesaw_wg0(char* smem, int npairs, int gp0, Acc& acc, float scale_log
 }
 
 // Warpgroup 1: tiles 2i + 1 (buffer 1), O[:, 256:512].
-DEVFN void seesaw_wg1(char* smem, int npairs, int gp0, Acc& acc, float scale_log2, int w, int lane) {
+DEVFN void seesaw_wg1(char* smem, int npairs, Acc& acc, float scale_log2, int w, int lane) {
   const int t = lane & 3, r0 = 16 * (w & 3) + (lane >> 2);
   float* sm = reinterpret_cast<float*>(smem + kSmemRowMax);
   float s[8][4];
 #pragma unroll 1
   for (int i = 0; i < npairs; ++i) {
-    sw_qk<1>(smem, 1, (uint32_t)(gp0 + i) & 1u, s, 0u);
+    sw_qk<1>(smem, 1, (uint32_t)i & 1u, s, 0u);
     sw_mask(smem, 1, s, scale_log2, t);
     const float mt[2] = {quad_row_max(s, 0), quad_row_max(s, 1)};
     bar_sync(kBarSwM0, kConsumerThreads);  // warpgroup 0's base m0
@@ -314,12 +313,11 @@ DEVFN void seesaw_publish_stats(char* smem, Acc& acc, int w, int lane) {
   bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-// Items (query token, 64-head group), group fastest: CTA b serves b, b + p.num_ctas, ... (persistent:
-// the producers fill the next item's first pair while the consumers finish an item; no CTA launch and
-// setup between items). The mbarrier phases count pairs over all of the CTA's items.
 DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
-  const int64_t items = (int64_t)p.s_q * p.num_groups, stride = p.num_ctas;
+  const int64_t bid = block_idx();
+  const int group = (int)(bid % p.num_groups);
+  const int64_t s = bid / p.num_groups;
   const int w = warp_idx(), lane = lane_idx();
   if (thread_idx() == 0) {
     for (int b = 0; b < 2; ++b)
@@ -330,57 +328,27 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
     fence_mbar_init();
   }
   bar_sync(kBarCta, kThreads);
-  auto npairs_of = [&](int64_t s, int* len) {
-    *len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);
-    return (*len + 2 * kTileTokens - 1) / (2 * kTileTokens);
-  };
+  const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);
+  const int npairs = (len + 2 * kTileTokens - 1) / (2 * kTileTokens);
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<kSeesawProducerRegs>();
-    int gp = 0;
-    for (int64_t it = block_idx(); it < items; it += stride) {
-      const int64_t s = it / p.num_groups;
-      int len;
-      const int npairs = npairs_of(s, &len);
-      seesaw_produce(smem, p, s, len, npairs, gp, thread_idx() - kConsumerThreads);
-      gp += npairs;
-    }
+    seesaw_produce(smem, p, s, len, npairs, thread_idx() - kConsumerThreads);
     return;
   }
   setmaxnreg_inc<kSeesawConsumerRegs>();
-  int gp = 0;
-  int64_t it = block_idx();
-  if (it >= items) return;
   Acc acc;
-  int len;
-  int npairs = npairs_of(it / p.num_groups, &len);
-  {
-    const int64_t s = it / p.num_groups, head_row = s * p.h_pad + (int64_t)(it % p.num_groups) * kHeadsPerCta;
-    if (npairs > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
+  const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
+  if (npairs > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
+  acc_reset(acc);
+  if (npairs > 0) {
+    if (w < 4)
+      seesaw_wg0(smem, npairs, acc, p.scale_log2, w, lane);
+    else
+      seesaw_wg1(smem, npairs, acc, p.scale_log2, w, lane);
   }
-#pragma unroll 1
-  for (; it < items; it += stride) {
-    const int group = (int)(it % p.num_groups);
-    const int64_t s = it / p.num_groups;
-    const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
-    acc_reset(acc);
-    if (npairs > 0) {
-      if (w < 4)
-        seesaw_wg0(smem, npairs, gp, acc, p.scale_log2, w, lane);
-      else
-        seesaw_wg1(smem, npairs, gp, acc, p.scale_log2, w, lane);
-    }
-    gp += npairs;
-    seesaw_publish_stats(smem, acc, w, lane);
-    write_final_staged<true, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
-                                   p.max_logits + head_row, group_sink(p.sink, group));
-    const int64_t nit = it + stride;  // the next item's Q (the staging region is free again)
-    int nlen = 0;
-    npairs = nit < items ? npairs_of(nit / p.num_groups, &nlen) : 0;
-    if (npairs > 0) {
-      const int64_t nrow = (nit / p.num_groups) * p.h_pad + (int64_t)(nit % p.num_groups) * kHeadsPerCta;
-      load_q(smem, p.q + nrow * kHeadDim, thread_idx());
-    }
-  }
+  seesaw_publish_stats(smem, acc, w, lane);
+  write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
+                                  p.max_logits + head_row, group_sink(p.sink, group));
 }
 #endif  // DSV41_WGMMA
 

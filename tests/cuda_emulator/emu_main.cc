@@ -90,21 +90,13 @@ int dsv41_emu_plan_smem_bytes(const dsv41::TensorView* tl, const dsv41::TensorVi
   return plans.smem_bytes;
 }
 
-// The seesaw's CTA count in the emulator (a GPU launches one per SM): small, so that a test's few items
-// already share CTAs, some CTAs serving one item more than others.
-constexpr int64_t kEmuSeesawCtas = 3;
-
 // in: 5 tensor views, out: 3 (see make_prefill_params).
 int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out, float softmax_scale, uint64_t seed,
                       int workers, char* errbuf, int errlen) {
   dsv41::PrefillParams p{};
   std::string err = dsv41::make_prefill_params(in, out, softmax_scale, &p);
   if (!err.empty()) return report("dsv41_sparse_mla_prefill: " + err, errbuf, errlen);
-  int64_t grid = (int64_t)p.num_groups * p.s_q;
-#if DSV41_WGMMA
-  // the seesaw's persistent CTAs: few enough that CTAs serve several items (launch_prefill: one per SM)
-  if (p.kv.fmt == dsv41::kFmtF16 && grid > kEmuSeesawCtas) grid = p.num_ctas = kEmuSeesawCtas;
-#endif
+  const int64_t grid = (int64_t)p.num_groups * p.s_q;
   emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
 #if DSV41_WGMMA
                 if (p.kv.fmt == dsv41::kFmtF16) return dsv41::prefill_seesaw_cta(p, smem);
