@@ -144,6 +144,7 @@ def test_generate_never_compiles_after_warmup(model):
     with backend_compiles() as during_warmup:
         ws = eng.warmup(progress=False)
     assert ws.num_compiled == ws.num_shapes == len(eng.envelope) == len(ws.per_shape) and eng.is_warm
+    assert ws.compile_threads == 4 and [sh for sh, _ in ws.per_shape] == list(eng.envelope)  # on threads, in order
     assert len(during_warmup) >= ws.num_compiled  # the listener sees compilations
     assert eng.warmup(progress=False).num_compiled == 0
 
@@ -194,6 +195,22 @@ def test_generate_never_compiles_after_warmup(model):
     assert refused == [] and not eng.requests
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(5\) must hold .* = 6"):
         EngineConfig(max_reqs=2, num_speculative_tokens=2, max_num_batched_tokens=5)
+
+
+def test_warmup_compile_threads(model):
+    eng = InferenceEngine(model, EngineConfig(max_model_len=16, max_reqs=1, impl="xla"))
+    with backend_compiles() as refused:
+        for bad in (0, -1, True, 2.0, "2"):
+            with pytest.raises(ValueError, match=r"warmup\(compile_threads=...\) must be a positive int or None, got"):
+                eng.warmup(progress=False, compile_threads=bad)
+    assert refused == [] and not eng.compiled_shapes
+    ws = eng.warmup(progress=False, compile_threads=1)
+    assert ws.compile_threads == 1 and eng.is_warm and [sh for sh, _ in ws.per_shape] == list(eng.envelope)
+    assert all(0 < t <= ws.seconds for _, t in ws.per_shape)
+    rid = eng.add_request([1, 2, 3])
+    with backend_compiles() as during_step:
+        eng.step([(rid, 3)])
+    assert during_step == []
 
 
 def test_engine_rejects_bad_requests(model):
