@@ -14,6 +14,10 @@ their distinct kernel hashes (the GPU compiles one module per hash: layers of on
 the figures in benchmarks/RESULTS.md with the commit.
 
     python -m benchmarks.pallas_lowering --engine [--compile] [--engine-impl xla]
+
+With `--engine-shapes` it lowers every step shape of that engine's envelope, as its warm-up does, and counts the
+kernels each shape shares with earlier ones: by kernel hash (what the GPU's Mosaic compile cache is keyed by) and
+by module text without `mosaic_gpu.dump_basename`, a per-process counter in each module.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import collections
 import sys
 import time
 
-__all__ = ["CONFIGS", "module_op_counts", "kernel_hashes", "engine_step_lowered", "main"]
+__all__ = ["CONFIGS", "module_op_counts", "module_texts", "kernel_hashes", "engine_step_lowered",
+           "engine_envelope_lowered", "main"]
 
 # name -> (op, shapes): decode (b, s_q, h, topk, extra topk, page), prefill (s_q, h, topk, s_kv)
 CONFIGS = {
@@ -68,23 +73,39 @@ def _lowered(op: str, shape: tuple):
     return lowered, t1 - t0, t2 - t1
 
 
-def engine_step_lowered(*, max_model_len: int = 128, max_reqs: int = 4, impl: str = "pallas"):
-    """(lowered step, trace s, lower s) of the tiny-model engine's first step shape, fp8_ds_mla caches, `impl`
-    ("pallas", or "xla" for the same step without Mosaic GPU kernels), cross-lowered for CUDA (call inside
-    `_interpret.gpu_mode()`)."""
+def _tiny_engine(*, max_model_len: int, max_reqs: int, impl: str):
     from flax import nnx
 
     import dsv41_jax as d
 
     model = d.DeepseekV41Model(d.get_preset("tiny"), rngs=nnx.Rngs(0))
-    eng = d.InferenceEngine(model, d.EngineConfig(max_model_len=max_model_len, max_reqs=max_reqs,
-                                                  kv_format="fp8_ds_mla", impl=impl, prefill_chunk=16,
-                                                  max_num_batched_tokens=32))
+    return d.InferenceEngine(model, d.EngineConfig(max_model_len=max_model_len, max_reqs=max_reqs,
+                                                   kv_format="fp8_ds_mla", impl=impl, prefill_chunk=16,
+                                                   max_num_batched_tokens=32))
+
+
+def _lower_step(eng, shape):
     t0 = time.perf_counter()
-    traced = eng._fn.trace(eng.params, eng.caches, eng._dummy_inputs(eng.envelope[0]), eng.tables)
+    traced = eng._fn.trace(eng.params, eng.caches, eng._dummy_inputs(shape), eng.tables)
     t1 = time.perf_counter()
     lowered = traced.lower(lowering_platforms=("cuda",))
     return lowered, t1 - t0, time.perf_counter() - t1
+
+
+def engine_step_lowered(*, max_model_len: int = 128, max_reqs: int = 4, impl: str = "pallas"):
+    """(lowered step, trace s, lower s) of the tiny-model engine's first step shape, fp8_ds_mla caches, `impl`
+    ("pallas", or "xla" for the same step without Mosaic GPU kernels), cross-lowered for CUDA (call inside
+    `_interpret.gpu_mode()`)."""
+    eng = _tiny_engine(max_model_len=max_model_len, max_reqs=max_reqs, impl=impl)
+    return _lower_step(eng, eng.envelope[0])
+
+
+def engine_envelope_lowered(*, max_model_len: int = 128, max_reqs: int = 4, limit: int | None = None):
+    """[(step shape, lowered step)] for the shapes of the tiny-model engine's envelope (the first `limit`;
+    impl="pallas", fp8_ds_mla), cross-lowered for CUDA in one process, as the warm-up lowers them (inside
+    `gpu_mode()`)."""
+    eng = _tiny_engine(max_model_len=max_model_len, max_reqs=max_reqs, impl="pallas")
+    return [(sh, _lower_step(eng, sh)[0]) for sh in eng.envelope[:limit]]
 
 
 def _walk(op, into, pred):
@@ -114,6 +135,23 @@ def kernel_hashes(lowered) -> list[bytes]:
                 for c in _mosaic_calls(lowered)]
 
 
+def module_texts(lowered, *, without_dump_basename: bool = False) -> list[str]:
+    """The Mosaic GPU module of each custom call as text; `without_dump_basename` drops the module's
+    `mosaic_gpu.dump_basename` attribute (a per-process counter set at lowering), which enters the kernel hash."""
+    from jax._src.lib.mlir import ir
+
+    mod = lowered.compiler_ir("stablehlo")
+    out = []
+    with mod.context as ctx:
+        ctx.allow_unregistered_dialects = True
+        for c in _mosaic_calls(lowered):
+            inner = ir.Module.parse(ir.StringAttr(ir.DictAttr(c.attributes["mhlo.backend_config"])["module"]).value_bytes)
+            if without_dump_basename and "mosaic_gpu.dump_basename" in inner.operation.attributes:
+                del inner.operation.attributes["mosaic_gpu.dump_basename"]
+            out.append(str(inner))
+    return out
+
+
 def module_op_counts(lowered) -> list[collections.Counter]:
     """Per Mosaic GPU custom call of a lowered computation: its module's operations counted by name."""
     from jax._src.lib.mlir import ir
@@ -140,6 +178,9 @@ def main(argv=None) -> int:
                     help="lower one tiny-model engine step (impl=pallas) instead: its custom calls and kernel hashes")
     ap.add_argument("--engine-impl", default="pallas", choices=("pallas", "xla"),
                     help="the engine step's attention impl (xla: the same step's compile without Mosaic GPU kernels)")
+    ap.add_argument("--engine-shapes", action="store_true",
+                    help="lower every step shape of the tiny engine's envelope: kernels shared with earlier shapes, "
+                         "by hash and by module text without mosaic_gpu.dump_basename")
     a = ap.parse_args(argv)
     import jax
 
@@ -147,6 +188,19 @@ def main(argv=None) -> int:
 
     if a.compile and jax.default_backend() != "gpu":
         ap.error(f"--compile needs a GPU backend, got {jax.default_backend()!r}")
+    if a.engine_shapes:
+        with _interpret.gpu_mode():
+            steps = engine_envelope_lowered()
+        seen_h: set = set()
+        seen_t: set = set()
+        for shape, lowered in steps:
+            hs, ts = kernel_hashes(lowered), module_texts(lowered, without_dump_basename=True)
+            print(f"{shape}: {len(hs)} kernels, {sum(h in seen_h for h in hs)} with an earlier shape's hash, "
+                  f"{sum(t in seen_t for t in ts)} an earlier shape's module but for mosaic_gpu.dump_basename",
+                  flush=True)
+            seen_h.update(hs)
+            seen_t.update(ts)
+        return 0
     if a.engine:
         with _interpret.gpu_mode():
             lowered, t_trace, t_lower = engine_step_lowered(impl=a.engine_impl)
