@@ -135,37 +135,39 @@ def kernel_hashes(lowered) -> list[bytes]:
                 for c in _mosaic_calls(lowered)]
 
 
-def module_texts(lowered, *, without_dump_basename: bool = False) -> list[str]:
-    """The Mosaic GPU module of each custom call as text; `without_dump_basename` drops the module's
-    `mosaic_gpu.dump_basename` attribute (a per-process counter set at lowering), which enters the kernel hash."""
+def _inner_modules(lowered):
+    """(context, [Mosaic GPU module of each custom call]) of a lowered computation, parsed in its context."""
     from jax._src.lib.mlir import ir
 
     mod = lowered.compiler_ir("stablehlo")
+    ctx = mod.context
+    with ctx:
+        ctx.allow_unregistered_dialects = True  # the module's own dialects need not be registered to read it
+        return ctx, [ir.Module.parse(ir.StringAttr(ir.DictAttr(c.attributes["mhlo.backend_config"])["module"]).value_bytes)
+                     for c in _mosaic_calls(lowered)]
+
+
+def module_texts(lowered, *, without_dump_basename: bool = False) -> list[str]:
+    """The Mosaic GPU module of each custom call as text; `without_dump_basename` drops the module's
+    `mosaic_gpu.dump_basename` attribute (a per-process counter set at lowering), which enters the kernel hash."""
+    ctx, inner = _inner_modules(lowered)
     out = []
-    with mod.context as ctx:
-        ctx.allow_unregistered_dialects = True
-        for c in _mosaic_calls(lowered):
-            inner = ir.Module.parse(ir.StringAttr(ir.DictAttr(c.attributes["mhlo.backend_config"])["module"]).value_bytes)
-            if without_dump_basename and "mosaic_gpu.dump_basename" in inner.operation.attributes:
-                del inner.operation.attributes["mosaic_gpu.dump_basename"]
-            out.append(str(inner))
+    with ctx:
+        for m in inner:
+            if without_dump_basename and "mosaic_gpu.dump_basename" in m.operation.attributes:
+                del m.operation.attributes["mosaic_gpu.dump_basename"]
+            out.append(str(m))
     return out
 
 
 def module_op_counts(lowered) -> list[collections.Counter]:
     """Per Mosaic GPU custom call of a lowered computation: its module's operations counted by name."""
-    from jax._src.lib.mlir import ir
-
-    mod = lowered.compiler_ir("stablehlo")
-    calls = _mosaic_calls(lowered)
+    ctx, inner = _inner_modules(lowered)
     out = []
-    with mod.context as ctx:
-        ctx.allow_unregistered_dialects = True  # the module's own dialects need not be registered to count
-        for c in calls:
-            blob = ir.DictAttr(c.attributes["mhlo.backend_config"])["module"]
-            inner = ir.Module.parse(ir.StringAttr(blob).value_bytes)
+    with ctx:
+        for m in inner:
             ops: list = []
-            _walk(inner.operation, ops, lambda o: True)
+            _walk(m.operation, ops, lambda o: True)
             out.append(collections.Counter(o.operation.name.removeprefix("stable_mosaic_gpu.") for o in ops))
     return out
 

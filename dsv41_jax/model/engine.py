@@ -263,23 +263,24 @@ class InferenceEngine:
             exe = lowered.compile()
             return exe, time.perf_counter() - tc
 
+        pending: dict[concurrent.futures.Future, tuple[StepShape, float]] = {}
+
+        def finish(fut: concurrent.futures.Future) -> None:
+            shape, t_lower = pending.pop(fut)
+            exe, t_compile = fut.result()
+            self._executables[shape] = exe
+            report(shape, t_lower, t_compile)
+
         with concurrent.futures.ThreadPoolExecutor(max_workers=compile_threads,
                                                    thread_name_prefix="dsv41-compile") as pool:
-            pending: dict[concurrent.futures.Future, tuple[StepShape, float]] = {}
             for shape in todo:
                 tl = time.perf_counter()
                 lowered = self._lower(shape)
                 pending[pool.submit(compile_one, lowered)] = (shape, time.perf_counter() - tl)
-                for fut in [f for f in pending if f.done()]:  # report what finished while this shape lowered
-                    shape_f, t_lower = pending.pop(fut)
-                    exe, t_compile = fut.result()
-                    self._executables[shape_f] = exe
-                    report(shape_f, t_lower, t_compile)
+                for fut in [f for f in pending if f.done()]:  # what finished while this shape lowered
+                    finish(fut)
             for fut in concurrent.futures.as_completed(list(pending)):
-                shape_f, t_lower = pending.pop(fut)
-                exe, t_compile = fut.result()
-                self._executables[shape_f] = exe
-                report(shape_f, t_lower, t_compile)
+                finish(fut)
         stats = WarmupStats(num_compiled=len(todo), num_shapes=len(self.envelope), seconds=time.perf_counter() - t0,
                             per_shape=tuple((sh, per[sh]) for sh in todo), compile_threads=compile_threads)
         self.warmup_stats = stats
