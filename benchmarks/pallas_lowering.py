@@ -86,7 +86,7 @@ def _tiny_engine(*, max_model_len: int, max_reqs: int, impl: str):
 
 def _lower_step(eng, shape):
     t0 = time.perf_counter()
-    traced = eng._fn.trace(eng.params, eng.caches, eng._dummy_inputs(shape), eng.tables)
+    traced = eng._trace(shape)
     t1 = time.perf_counter()
     lowered = traced.lower(lowering_platforms=("cuda",))
     return lowered, t1 - t0, time.perf_counter() - t1

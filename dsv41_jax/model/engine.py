@@ -222,8 +222,11 @@ class InferenceEngine:
         return StepInputs(jnp.asarray(np.zeros(shape.tokens, np.int32)), cm, cbt,
                           jnp.asarray(np.zeros(shape.reqs, np.int32)))
 
+    def _trace(self, shape: StepShape) -> jax.stages.Traced:
+        return self._fn.trace(self.params, self.caches, self._dummy_inputs(shape), self.tables)
+
     def _lower(self, shape: StepShape) -> jax.stages.Lowered:
-        return self._fn.lower(self.params, self.caches, self._dummy_inputs(shape), self.tables)
+        return self._trace(shape).lower()
 
     def _compile(self, shape: StepShape) -> jax.stages.Compiled:
         exe = self._lower(shape).compile()
