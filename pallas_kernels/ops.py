@@ -163,8 +163,37 @@ def to_f16(x):
 def _kernel_fn(spec: KernelSpec):
     """The kernel of `spec` as one jitted function. Every call of a step (each layer of one type calls the same
     spec) then traces to the same jaxpr, which JAX lowers once per module: the layers share one Mosaic GPU
-    module and one kernel hash, so the GPU compiles each kernel configuration once per step, not once per layer."""
-    return jax.jit(build_kernel(spec))
+    module and one kernel hash, so the GPU compiles each kernel configuration once per step, not once per layer.
+
+    For the GPU the kernel is also lowered once per operand shapes for the whole process (`_exported_kernel`) and
+    embedded as it is wherever it is called, so every computation that calls it (the engine's step shapes of one
+    token bucket, the warm-up's threads) holds the same module and the same kernel hash, and jaxlib's Mosaic GPU
+    compile cache, keyed by that hash, compiles it once. Lowered anew per computation, each module would carry
+    its own `mosaic_gpu.dump_basename` (a per-process counter jaxlib sets at lowering), hence its own hash."""
+    if spec.interpret:  # the interpreter's kernels are host callbacks: nothing to compile once
+        return jax.jit(build_kernel(spec))
+
+    @jax.jit
+    def run(*args):
+        avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
+        return _exported_kernel(spec, avals).call(*args)
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _exported_kernel(spec: KernelSpec, avals: tuple):
+    """The GPU kernel of `spec` over operands `avals`, lowered once for CUDA (`jax.export`).
+
+    The module is used in this process only, never serialised, so it needs none of export's guarantees: the
+    Mosaic GPU custom call need not be a stable one, and the kernel is lowered as a direct call lowers it (not
+    in the forward-compatible IR version an export otherwise writes)."""
+    from jax import export
+    from jax._src import config as jax_config  # private: the flag has no public context manager in jax 0.11
+
+    with jax_config.export_ignore_forward_compatibility(True):
+        return export.export(jax.jit(build_kernel(spec)), platforms=("cuda",),
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*avals)
 
 
 def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):

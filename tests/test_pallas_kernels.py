@@ -445,9 +445,11 @@ def test_engine_step_compiles_each_kernel_configuration_once():
 
 
 def test_engine_shapes_of_one_token_bucket_lower_the_same_kernels():
-    # The envelope's first two step shapes differ only in block-table widths, which the kernels never see: their
-    # Mosaic GPU modules must be the same but for `mosaic_gpu.dump_basename`, a per-process counter that jaxlib sets
-    # at each lowering and that enters the kernel hash, the key of the GPU's compile cache (benchmarks/RESULTS.md).
+    # The envelope's first two step shapes differ only in block-table widths, which the kernels never see: they must
+    # hold the same kernels with the same hashes, the key of jaxlib's Mosaic GPU compile cache, so the second shape
+    # compiles none. Each kernel is lowered once per process (`ops._exported_kernel`); lowered anew per shape, a
+    # module would carry its own `mosaic_gpu.dump_basename`, a per-process counter, and its own hash
+    # (benchmarks/RESULTS.md).
     from benchmarks import pallas_lowering as L
     from pallas_kernels import _interpret
 
@@ -455,3 +457,31 @@ def test_engine_shapes_of_one_token_bucket_lower_the_same_kernels():
         (s0, l0), (s1, l1) = L.engine_envelope_lowered(limit=2)
     assert s0.tokens == s1.tokens and s0.blocks != s1.blocks
     assert L.module_texts(l0, without_dump_basename=True) == L.module_texts(l1, without_dump_basename=True)
+    assert L.kernel_hashes(l0) == L.kernel_hashes(l1)
+
+
+def test_sharded_decode_holds_the_plain_calls_kernel():
+    # Inside shard_map a head shard calls the kernel lowered once per process for its operand shapes: the same
+    # module and hash as a plain call at the shard's head count, so the GPU compiles it once for both.
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import dsv41_jax as d
+    from benchmarks import pallas_lowering as L
+    from dsv41_jax.sharding import sparse_mla_decode_sharded
+    from pallas_kernels import _interpret
+    from tests.attention_cases import make_decode_case
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("tp",))
+    c = make_decode_case(21, b=3, s_q=2, h_q=512, topk=64, fmt="fp8_ds_mla", sink="inf",
+                         extra=dict(topk=64, block_size=16, fmt="fp8_ds_mla"))
+    kw = c.kwargs()
+    q, *rest = c.args()
+    with _interpret.gpu_mode():
+        sharded = jax.jit(lambda *a: sparse_mla_decode_sharded(*a, mesh=mesh, head_axis="tp", **kw, impl="pallas"))
+        plain = jax.jit(lambda q, *a: d.sparse_mla_decode(q, *a, **{**kw, "attn_sink": kw["attn_sink"][:64]},
+                                                          impl="pallas"))
+        hs = L.kernel_hashes(sharded.trace(q, *rest).lower(lowering_platforms=("cuda",)))
+        hp = L.kernel_hashes(plain.trace(q[:, :, :64], *rest).lower(lowering_platforms=("cuda",)))
+    assert len(hs) == 1 and hs == hp

@@ -218,3 +218,26 @@ def test_decode_reads_a_cache_past_4_gib():
     assert np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
     assert_close(out, np.asarray(r_out, np.float32), "decode_out", "out")
     assert_close(lse, np.asarray(r_lse), "decode_lse", "lse")
+
+
+def test_sharded_ops_on_one_device_equal_the_plain_calls():
+    # the head-sharded ops call the kernel inside shard_map, through the module lowered once per process
+    # (pallas_kernels.ops._exported_kernel): bitwise the plain calls' results
+    from jax.sharding import Mesh
+
+    from dsv41_jax.sharding import sparse_mla_decode_sharded, sparse_mla_prefill_sharded
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    case = make_decode_case(83, b=6, s_q=2, h_q=64, topk=256, block_size=64, fmt="fp8_ds_mla", lengths="var",
+                            s_kv=3000, sink="random", extra=dict(topk=128, block_size=2, fmt="fp8_ds_mla"))
+    kw = case.kwargs()
+    got = jax.jit(lambda *a: sparse_mla_decode_sharded(*a, mesh=mesh, head_axis="tp", impl="pallas", **kw))(
+        *case.args())
+    for x, y in zip(got, _decode(case)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    case.check(*got, "pallas head-sharded decode")
+    p = make_prefill_case(84, s_q=40, h_q=64, topk=128, s_kv=700, sink="random")
+    got = jax.jit(lambda *a: sparse_mla_prefill_sharded(*a, mesh=mesh, head_axis="tp", impl="pallas",
+                                                        **p.kwargs()))(*p.args())
+    for x, y in zip(got, _prefill(p)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
