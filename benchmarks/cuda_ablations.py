@@ -66,11 +66,12 @@ _RECORDS_NO_L1 = (
 
 # What the per-CTA Q read and output store cost (the prefill's 64-head CTAs hold 8 tiles at top-k 512): Q rows from
 # a constant instead of global memory, the staged output not stored (shared with the decode's CTA; timing only).
-_NO_Q_READ = (("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);\n",
-               "      v[i] = make_u4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);\n      (void)q;\n"),)
-_NO_OUT_STORE = (("consumer.cuh", "    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
-                  "        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
-                  "    (void)orow0, (void)stage, (void)r, (void)c;\n"),)
+_NO_Q_READ = (("consumer.cuh",
+               "      v[i] = (c >> 6) < rows ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);\n",
+               "      v[i] = make_u4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);\n      (void)q, (void)rows;\n"),)
+_NO_OUT_STORE = (("consumer.cuh", "    if (r < rows)\n      *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
+                  "          *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
+                  "    (void)orow0, (void)stage, (void)r, (void)c, (void)rows;\n"),)
 
 # An L2 evict_first policy for the 64-head CTAs' Q loads and output stores (both stream once), so that they do not push
 # the gathered rows, which other CTAs re-read, out of L2. (An evict_last policy on the seesaw's kv cp.async copies
@@ -82,12 +83,15 @@ _L2_EVICT_FIRST = (
      "DEVFN void cp_async16(uint32_t saddr, const void* src, uint32_t src_bytes) {\n"),
 )
 _QO_EVICT_FIRST = (
-    ("consumer.cuh", "      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);\n",
-     "      asm volatile(\"ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\" : \"=r\"(v[i].x), \"=r\"(v[i].y), "
+    ("consumer.cuh",
+     "      v[i] = (c >> 6) < rows ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);\n",
+     "      v[i] = make_u4(0u, 0u, 0u, 0u);\n"
+     "      if ((c >> 6) < rows)\n"
+     "        asm volatile(\"ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\" : \"=r\"(v[i].x), \"=r\"(v[i].y), "
      "\"=r\"(v[i].z), \"=r\"(v[i].w) : \"l\"(q + (c >> 6) * kHeadDim + (c & 63) * 8), \"l\"(l2_evict_first()));\n"),
-    ("consumer.cuh", "    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
-     "        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
-     "    {\n      const uint4 ov = *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n"
+    ("consumer.cuh", "    if (r < rows)\n      *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
+     "          *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
+     "    if (r < rows) {\n      const uint4 ov = *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n"
      "      asm volatile(\"st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\" ::\"l\"(orow0 + (int64_t)r * kHeadDim + 8 * c), "
      "\"r\"(ov.x), \"r\"(ov.y), \"r\"(ov.z), \"r\"(ov.w), \"l\"(l2_evict_first()) : \"memory\");\n    }\n"),
 )
@@ -98,20 +102,20 @@ _QO_EVICT_FIRST = (
 _SEESAW_O_BULK = (
     ("seesaw.cuh", "DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {\n",
      "DEVFN void write_final_bulk(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,\n"
-     "                             float* maxl0, const float* sink0) {\n"
+     "                             float* maxl0, const float* sink0, int rows) {\n"
      "  const int g = lane >> 2, t = lane & 3;\n"
      "  char* stage = smem + kSmemK;\n"
      "#pragma unroll\n"
      "  for (int hr = 0; hr < 2; ++hr) {\n"
      "    const int r = o_row(w, 0, g) + 8 * hr;\n"
-     "    const FinalRow fr = final_row(smem, r, sink0);\n"
+     "    const FinalRow fr = final_row(smem, r, r < rows ? sink0 : nullptr);\n"
      "#pragma unroll\n"
      "    for (int n = 0; n < 32; ++n) {\n"
      "      const int c = 32 * (w >> 2) + n;\n"
      "      *reinterpret_cast<uint32_t*>(stage + r * 1040 + 16 * c + 4 * t) =\n"
      "          pack_bf16x2(acc.o[n][2 * hr] * fr.factor, acc.o[n][2 * hr + 1] * fr.factor);\n"
      "    }\n"
-     "    if ((w >> 2) == 0 && t == 0) {\n"
+     "    if ((w >> 2) == 0 && t == 0 && r < rows) {\n"
      "      lse0[r] = fr.lse_nat;\n"
      "      maxl0[r] = fr.maxl;\n"
      "    }\n"
@@ -119,7 +123,7 @@ _SEESAW_O_BULK = (
      "  fence_proxy_async_always();\n"
      "  bar_sync(kBarConsumers, kConsumerThreads);\n"
      "  const int r = thread_idx();\n"
-     "  if (r < 64) {\n"
+     "  if (r < rows) {\n"
      "    asm volatile(\"cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 1024;\" ::\"l\"(orow0 + (int64_t)r * kHeadDim),\n"
      "                 \"r\"(smem_addr(stage + r * 1040)) : \"memory\");\n"
      "    asm volatile(\"cp.async.bulk.commit_group;\" ::: \"memory\");\n"
@@ -137,7 +141,7 @@ _SEESAW_Q_PREFETCH = (
      "  if (thread_idx() == kConsumerThreads) {\n"
      "    const int64_t nb = bid + 132;\n"
      "    if (nb < (int64_t)p.num_groups * p.s_q) {\n"
-     "      const uint16_t* qn = p.q + ((nb / p.num_groups) * p.h_pad + (nb % p.num_groups) * kHeadsPerCta) * kHeadDim;\n"
+     "      const uint16_t* qn = p.q + ((nb / p.num_groups) * p.h_q + (nb % p.num_groups) * kHeadsPerCta) * kHeadDim;\n"
      "      asm volatile(\"cp.async.bulk.prefetch.L2.global [%0], 65536;\" ::\"l\"(qn) : \"memory\");\n"
      "    }\n"
      "  }\n"

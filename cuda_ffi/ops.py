@@ -1,8 +1,10 @@
 """JAX side of the `impl="cuda"` kernels: argument preparation and the XLA FFI calls.
 
 Both kernels work on 64-head groups and 64-token tiles, so the wrapper
-- pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back; a decode
-  of at most 32 heads runs the narrow CTA instead, on q as it is (`decode_head_pad`);
+- decode: pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back; a
+  decode of at most 32 heads runs the narrow CTA instead, on q as it is (`decode_head_pad`); prefill passes q
+  as it is (a last group of fewer than 64 heads is completed with zero rows inside the kernel, and its
+  missing heads are never written);
 - pads indices with -1 to a multiple of 64 (at least 64);
 - passes lengths and sinks as they are (the kernels clamp lengths to [0, topk]); absent lengths are a
   constant `[topk]` (one length for every row), an absent sink an empty operand, so a call adds no
@@ -123,16 +125,18 @@ def decode_head_pad(h_q: int) -> int:
     return h_q if h_q <= NARROW_MAX_HEADS else _round_up(h_q, GROUP)
 
 
+def _pad_indices(indices: jax.Array) -> jax.Array:
+    """indices padded with -1 to whole 64-token tiles along their last axis (top-k)."""
+    return _pad_axis(indices, indices.ndim - 1, _round_up(indices.shape[-1], GROUP), -1)
+
+
 def _pad_for_kernel(call, *, head_axis: int, narrow: bool = False):
     """q padded to the kernel's heads (`decode_head_pad` when `narrow`, else 64-head groups; sink -inf for
-    the padding), indices to 64-token tiles (-1): `(q, sink, indices, h_pad)`. The last axis of indices is
-    top-k."""
+    the padding), indices to 64-token tiles (-1): `(q, sink, indices, h_pad)`."""
     h_q = call.q.shape[head_axis]
     h_pad = decode_head_pad(h_q) if narrow else _round_up(h_q, GROUP)
     qp = _pad_axis(call.q, head_axis, h_pad, 0)
-    topk = call.indices.shape[-1]
-    idx = _pad_axis(call.indices, call.indices.ndim - 1, _round_up(topk, GROUP), -1)
-    return qp, _sink(call.attn_sink, h_q, h_pad), idx, h_pad
+    return qp, _sink(call.attn_sink, h_q, h_pad), _pad_indices(call.indices), h_pad
 
 
 # ------------------------------------------------------------------------------ decode
@@ -276,18 +280,19 @@ def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, t
     if call.kv.shape[1] != HEAD_DIM:
         raise ValueError(f"cuda: kv must be [s_kv, {HEAD_DIM}], got {tuple(call.kv.shape)}")
     _require("indices", call.indices, dtype=jnp.int32, ndim=2)
-    qp, sink, idx, h_pad = _pad_for_kernel(call, head_axis=1)
+    idx = _pad_indices(call.indices)
+    num_groups = -(-h_q // GROUP)  # a last group of fewer heads is completed inside the kernel
     if kv_f16 is None:
-        kv_f16 = prefill_kv_f16(call.kv.shape[0], s_q, idx.shape[1], h_pad // GROUP)
-    args = (qp, to_f16_saturating(call.kv) if kv_f16 else call.kv, idx,
-            _rows("topk_length", call.topk_length, call.indices.shape[1]), sink)
+        kv_f16 = prefill_kv_f16(call.kv.shape[0], s_q, idx.shape[1], num_groups)
+    args = (q, to_f16_saturating(call.kv) if kv_f16 else call.kv, idx,
+            _rows("topk_length", call.topk_length, call.indices.shape[1]), _sink(call.attn_sink, h_q, h_q))
     attrs = dict(softmax_scale=np.float32(call.softmax_scale))
     results = (
-        jax.ShapeDtypeStruct((s_q, h_pad, HEAD_DIM), jnp.bfloat16),
-        jax.ShapeDtypeStruct((s_q, h_pad), jnp.float32),
-        jax.ShapeDtypeStruct((s_q, h_pad), jnp.float32),
+        jax.ShapeDtypeStruct((s_q, h_q, HEAD_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
+        jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
     )
-    return args, attrs, results, dict(h_q=h_q, h_pad=h_pad, kv_f16=bool(kv_f16))
+    return args, attrs, results, dict(h_q=h_q, num_groups=num_groups, kv_f16=bool(kv_f16))
 
 
 def prefill(call, *, kv_f16: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -299,9 +304,6 @@ def prefill(call, *, kv_f16: bool | None = None) -> tuple[jax.Array, jax.Array, 
     if s_q == 0:
         return (jnp.zeros((0, h_q, d), jnp.bfloat16), jnp.zeros((0, h_q), jnp.float32),
                 jnp.zeros((0, h_q), jnp.float32))
-    args, attrs, results, info = prepare_prefill(call, kv_f16=kv_f16)
+    args, attrs, results, _ = prepare_prefill(call, kv_f16=kv_f16)
     ensure_registered()
-    out, max_logits, lse = jax.ffi.ffi_call(PREFILL_TARGET, results)(*args, **attrs)
-    if info["h_pad"] != h_q:
-        out, max_logits, lse = out[:, :h_q], max_logits[:, :h_q], lse[:, :h_q]
-    return out, max_logits, lse
+    return tuple(jax.ffi.ffi_call(PREFILL_TARGET, results)(*args, **attrs))

@@ -583,8 +583,12 @@ def test_handler_checks_name_the_argument(emu):
         _ops.call_plan(call, planner="host")
     pcase = make_prefill_case(26, s_q=2, h_q=4, topk=64)
     pargs, pattrs, presults, _ = _ops.prepare_prefill(_prefill_call(pcase))
-    with pytest.raises(ValueError, match=r"q: expected the head count padded to a positive multiple of 64"):
-        run_prefill_ffi((pcase.q,) + tuple(pargs[1:]), pattrs, presults)
+    assert pargs[0].shape == (2, 4, 512)  # q's 4 heads as they are: the kernel completes the group itself
+    with pytest.raises(ValueError, match=r"attn_sink: expected shape \[4\], got \[64\] \(or \[0\]: no sink\)"):
+        run_prefill_ffi(tuple(pargs[:4]) + (jnp.zeros((64,), jnp.float32),), pattrs, presults)
+    bad = (jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16),) + tuple(presults[1:])
+    with pytest.raises(ValueError, match=r"out: expected shape \[2, 4, 512\], got \[2, 64, 512\]"):
+        run_prefill_ffi(pargs, pattrs, bad)
 
 
 # ------------------------------------------------------------------------------ the split planner (emulated)

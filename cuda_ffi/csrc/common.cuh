@@ -34,5 +34,10 @@ DEVFN int load_len(const int32_t* lengths, int32_t stride, int64_t i, int32_t to
 DEVFN const float* group_sink(const float* sink, int group) {
   return sink ? sink + (int64_t)group * kHeadsPerCta : nullptr;
 }
+// The heads of 64-head group `group` that exist among h_q (64 but in a last, partial group).
+DEVFN int group_rows(int h_q, int group) {
+  const int left = h_q - group * kHeadsPerCta;
+  return left < kHeadsPerCta ? left : kHeadsPerCta;
+}
 
 }  // namespace dsv41

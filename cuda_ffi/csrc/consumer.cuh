@@ -36,17 +36,18 @@ DEVFN void acc_reset(Acc& a) {
 }
 
 // Q rows of one (query token, 64-head group): 64 x 512 bf16 from global, as f16
-// into the swizzled tile layout. Called by all 256 consumer threads; ends with the consumer barrier.
+// into the swizzled tile layout; rows from `rows` on (a last group of fewer than 64 heads) are zero, never read.
+// Called by all 256 consumer threads; ends with the consumer barrier.
 // kRound: loads in flight per thread (16: one latency instead of two, for callers with the registers free).
 template <int kRound = 8>
-DEVFN void load_q(char* smem, const uint16_t* q, int ct) {
+DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta) {
 #pragma unroll
   for (int i0 = 0; i0 < 16; i0 += kRound) {
     uint4 v[kRound];
 #pragma unroll
     for (int i = 0; i < kRound; ++i) {
       const int c = ct + kConsumerThreads * (i0 + i);
-      v[i] = ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8);
+      v[i] = (c >> 6) < rows ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int i = 0; i < kRound; ++i) {
@@ -512,15 +513,17 @@ DEVFN FinalRow final_row(const char* smem, int r, const float* sink0) {
 }
 
 // Final epilogue: out bf16 = O * factor, lse, optional max_logits (final_row). `orow0` points at head 0
-// of this CTA's group. Row statistics are written by the threads holding dims 0..1 of a row.
+// of this CTA's group; rows from `rows` on (heads past the call's) are neither written nor their sink read.
+// Row statistics are written by the threads holding dims 0..1 of a row.
 DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
-                       float* maxl0, const float* sink0) {
+                       float* maxl0, const float* sink0, int rows = kHeadsPerCta) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int rb = 0; rb < kORowBlocks; ++rb)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = o_row(w, rb, g) + 8 * hr;
+      if (r >= rows) continue;
       const FinalRow fr = final_row(smem, r, sink0);
       uint16_t* orow = orow0 + (int64_t)r * kHeadDim;
 #pragma unroll
@@ -539,24 +542,25 @@ DEVFN void write_final(const char* smem, const Acc& acc, int w, int lane, uint16
 // write_final through shared memory (wgmma layout; the Q region, free once every S of the segment is done):
 // each thread's bf16 pairs go to a [64][1024 B] staging tile (16-byte chunk c of row r at c ^ (r & 7): no bank
 // conflicts), then the 256 consumers store it with coalesced 16-byte writes (the direct 4-byte stores leave each
-// 32-byte sector half used). lse and max_logits (when kMaxl) as write_final. kBarAfter: a barrier after the
-// copy-out, so that the caller may overwrite the Q region (the next segment's load_q).
+// 32-byte sector half used). lse and max_logits (when kMaxl) as write_final, rows from `rows` on neither
+// written nor their sink read. kBarAfter: a barrier after the copy-out, so that the caller may overwrite the Q
+// region (the next segment's load_q).
 template <bool kMaxl, bool kBarAfter>
 DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint16_t* orow0, float* lse0,
-                              float* maxl0, const float* sink0) {
+                              float* maxl0, const float* sink0, int rows = kHeadsPerCta) {
   const int g = lane >> 2, t = lane & 3;
   char* stage = smem + kSmemQ;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = o_row(w, 0, g) + 8 * hr;
-    const FinalRow fr = final_row(smem, r, sink0);
+    const FinalRow fr = final_row(smem, r, r < rows ? sink0 : nullptr);
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       const int c = 32 * (w >> 2) + n;  // dims 8c..8c+7
       *reinterpret_cast<uint32_t*>(stage + r * 1024 + ((c ^ (r & 7)) << 4) + 4 * t) =
           pack_bf16x2(acc.o[n][2 * hr] * fr.factor, acc.o[n][2 * hr + 1] * fr.factor);
     }
-    if ((w >> 2) == 0 && t == 0) {
+    if ((w >> 2) == 0 && t == 0 && r < rows) {
       lse0[r] = fr.lse_nat;
       if constexpr (kMaxl) maxl0[r] = fr.maxl;
     }
@@ -566,8 +570,9 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
 #pragma unroll 4
   for (int i = 0; i < 16; ++i) {
     const int k = ct + kConsumerThreads * i, r = k >> 6, c = k & 63;
-    *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =
-        *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));
+    if (r < rows)
+      *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =
+          *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));
   }
   if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
 }

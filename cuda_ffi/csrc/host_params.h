@@ -315,18 +315,19 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
 // Prefill runs one CTA per head group: for bf16 rows a pair's hand-off costs more than the halved
 // gather saves (benchmarks/RESULTS.md), so PrefillParams::pair is always 0.
 
-// Prefill: q [s_q, h_pad, 512] bf16, kv [s_kv, 512] bf16 or f16, indices [s_q, topk] int32, topk_length
-// [s_q] int32 (or [1]: one for all), attn_sink [h_pad] f32 (or [0]: no sink); results out
-// [s_q, h_pad, 512] bf16, max_logits and lse [s_q, h_pad] f32.
+// Prefill: q [s_q, h_q, 512] bf16 (any h_q >= 1: the CTAs take groups of 64 heads, a last partial group's
+// missing heads neither read nor written), kv [s_kv, 512] bf16 or f16, indices [s_q, topk] int32, topk_length
+// [s_q] int32 (or [1]: one for all), attn_sink [h_q] f32 (or [0]: no sink); results out [s_q, h_q, 512] bf16,
+// max_logits and lse [s_q, h_q] f32.
 inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorView* out /*3*/, float softmax_scale,
                                        PrefillParams* p) {
   const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4];
   std::string e;
   if (!(e = expect("q", q, DType::kBF16, 3)).empty()) return e;
-  const int64_t s_q = q.dims[0], h_pad = q.dims[1];
+  const int64_t s_q = q.dims[0], h_q = q.dims[1];
   if (q.dims[2] != kHeadDim) return cat("q: expected head dim ", kHeadDim, ", got shape ", shape_str(q));
-  if (h_pad < kHeadsPerCta || h_pad % kHeadsPerCta)
-    return cat("q: expected the head count padded to a positive multiple of ", kHeadsPerCta, ", got shape ", shape_str(q));
+  if (h_q < 1 || h_q > kMaxI32 - kHeadsPerCta) return cat("q: expected 1 <= h_q < 2^31 - 64, got shape ", shape_str(q));
+  const int64_t num_groups = (h_q + kHeadsPerCta - 1) / kHeadsPerCta;
   if (s_q < 1) return cat("q: expected s_q >= 1, got shape ", shape_str(q));
   if (!(softmax_scale == softmax_scale) || softmax_scale == 1.0f / 0.0f || softmax_scale == -1.0f / 0.0f)
     return cat("softmax_scale: expected a finite float, got ", softmax_scale);
@@ -340,16 +341,15 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   int32_t stride = 1;
   if (!(e = row_lengths("topk_length", tl, s_q, &lengths, &stride)).empty()) return e;
   if (!(e = expect("attn_sink", sink, DType::kF32, 1)).empty()) return e;
-  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h_pad})).empty())
-    return e + " (pad with -inf; or [0]: no sink)";
+  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h_q})).empty()) return e + " (or [0]: no sink)";
   if (!(e = expect("out", out[0], DType::kBF16, 3)).empty()) return e;
-  if (!(e = expect_dims("out", out[0], {s_q, h_pad, kHeadDim})).empty()) return e;
+  if (!(e = expect_dims("out", out[0], {s_q, h_q, kHeadDim})).empty()) return e;
   if (!(e = expect("max_logits", out[1], DType::kF32, 2)).empty()) return e;
-  if (!(e = expect_dims("max_logits", out[1], {s_q, h_pad})).empty()) return e;
+  if (!(e = expect_dims("max_logits", out[1], {s_q, h_q})).empty()) return e;
   if (!(e = expect("lse", out[2], DType::kF32, 2)).empty()) return e;
-  if (!(e = expect_dims("lse", out[2], {s_q, h_pad})).empty()) return e;
-  const int64_t grid = (h_pad / kHeadsPerCta) * s_q;
-  if (grid > kMaxI32) return cat("prefill grid too large: ", grid, " CTAs (h_pad/64 * s_q)");
+  if (!(e = expect_dims("lse", out[2], {s_q, h_q})).empty()) return e;
+  const int64_t grid = num_groups * s_q;
+  if (grid > kMaxI32) return cat("prefill grid too large: ", grid, " CTAs (ceil(h_q / 64) * s_q)");
   p->q = static_cast<const uint16_t*>(q.data);
   p->sink = sink.dims[0] ? static_cast<const float*>(sink.data) : nullptr;
   p->out = static_cast<uint16_t*>(out[0].data);
@@ -366,8 +366,8 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->kv.topk = (int32_t)idx.dims[1];
   p->scale_log2 = softmax_scale * 1.4426950408889634f;
   p->s_q = (int32_t)s_q;
-  p->h_pad = (int32_t)h_pad;
-  p->num_groups = (int32_t)(h_pad / kHeadsPerCta);
+  p->h_q = (int32_t)h_q;
+  p->num_groups = (int32_t)num_groups;
   p->pair = 0;
   return "";
 }

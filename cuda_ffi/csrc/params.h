@@ -103,14 +103,16 @@ struct PlanBatch {
 };
 
 struct PrefillParams {
-  const uint16_t* q;   // bf16 [s_q, h_pad, 512]
-  const float* sink;   // f32 [h_pad]
-  uint16_t* out;       // bf16 [s_q, h_pad, 512]
-  float* max_logits;   // f32 [s_q, h_pad]
-  float* lse;          // f32 [s_q, h_pad]
+  const uint16_t* q;   // bf16 [s_q, h_q, 512]
+  const float* sink;   // f32 [h_q]
+  uint16_t* out;       // bf16 [s_q, h_q, 512]
+  float* max_logits;   // f32 [s_q, h_q]
+  float* lse;          // f32 [s_q, h_q]
   Pool kv;             // bf16 (or f16: fmt kFmtF16) rows: capacity = s_kv, lengths per query token
   float scale_log2;
-  int32_t s_q, h_pad, num_groups;
+  // h_q: the heads of q and the results (their row stride); the CTAs compute num_groups = ceil(h_q / 64)
+  // groups of 64, a last partial group's missing heads as zero Q rows that are never read nor written
+  int32_t s_q, h_q, num_groups;
   int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
 };
 

@@ -32,13 +32,14 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   } else {
     setmaxnreg_inc<crew.consumer_regs>();
     Acc acc;
-    const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
-    if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
+    const int64_t head_row = s * p.h_q + (int64_t)group * kHeadsPerCta;
+    const int rows = group_rows(p.h_q, group);
+    if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx(), rows);
     acc_reset(acc);
     consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
     publish_row_stats(smem, acc, w, lane);
     write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
-                group_sink(p.sink, group));
+                group_sink(p.sink, group), rows);
   }
   crew_teardown(crew);
 }

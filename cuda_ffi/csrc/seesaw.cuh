@@ -337,8 +337,9 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   }
   setmaxnreg_inc<kSeesawConsumerRegs>();
   Acc acc;
-  const int64_t head_row = s * p.h_pad + (int64_t)group * kHeadsPerCta;
-  if (npairs > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx());
+  const int64_t head_row = s * p.h_q + (int64_t)group * kHeadsPerCta;
+  const int rows = group_rows(p.h_q, group);
+  if (npairs > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx(), rows);
   acc_reset(acc);
   if (npairs > 0) {
     if (w < 4)
@@ -348,7 +349,7 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   }
   seesaw_publish_stats(smem, acc, w, lane);
   write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
-                                  p.max_logits + head_row, group_sink(p.sink, group));
+                                  p.max_logits + head_row, group_sink(p.sink, group), rows);
 }
 #endif  // DSV41_WGMMA
 
