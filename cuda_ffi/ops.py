@@ -1,10 +1,9 @@
 """JAX side of the `impl="cuda"` kernels: argument preparation and the XLA FFI calls.
 
 Both kernels work on 64-head groups and 64-token tiles, so the wrapper
-- decode: pads q's heads with zeros to a multiple of 64 (their sink is -inf) and slices the results back; a
-  decode of at most 32 heads runs the narrow CTA instead, on q as it is (`decode_head_pad`); prefill passes q
-  as it is (a last group of fewer than 64 heads is completed with zero rows inside the kernel, and its
-  missing heads are never written);
+- passes q and takes the results at the call's own head count: a last group of fewer than 64 heads is
+  completed with zero Q rows inside the kernels and its missing heads are never written; a decode of at
+  most 32 heads runs the narrow CTA (16 or 32 rows, `NARROW_MAX_HEADS`);
 - pads indices with -1 to a multiple of 64 (at least 64);
 - passes lengths and sinks as they are (the kernels clamp lengths to [0, topk]); absent lengths are a
   constant `[topk]` (one length for every row), an absent sink an empty operand, so a call adds no
@@ -12,7 +11,7 @@ Both kernels work on 64-head groups and 64-token tiles, so the wrapper
 - decode: runs over a split plan (`dsv41_jax.plans.DecodePlan`): the call's own, or, when none is
   given, one made in the call: the batch-invariant constant, or FlashMLA's plan from the one-warp
   planner kernel (`PLAN_TARGET`, `plan_on_device`; `planner="jax"`: `plan_decode_splits` in XLA);
-- passes the split accumulators `o_accum f32[b + parts, s_q, h_pad, 512]` and `lse_accum` as extra FFI
+- passes the split accumulators `o_accum f32[b + parts, s_q, h_q, 512]` and `lse_accum` as extra FFI
   results (no allocation inside the handler; command-buffer compatible); a plan without split-KV
   (batch-invariant) gets one slot and no combine kernel;
 - prefill: converts kv to f16 (saturating) when `prefill_kv_f16` says the rows are re-read often enough; the
@@ -36,7 +35,7 @@ from dsv41_jax.kv_cache import LATENT_DIM, f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import num_sm_parts_for
 
-__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "NARROW_MAX_HEADS", "decode_head_pad", "FORMAT_CODES", "MAX_PLANS",
+__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "NARROW_MAX_HEADS", "FORMAT_CODES", "MAX_PLANS",
            "decode_supports", "prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "decode",
            "prefill_kv_f16", "prepare_prefill", "prefill"]
 
@@ -102,12 +101,12 @@ def _round_up(n: int, m: int) -> int:
     return max(m, -(-n // m) * m)
 
 
-def _sink(sink: jax.Array | None, h_q: int, h_pad: int) -> jax.Array:
-    """The sink operand: f32 [h_pad] (-inf for padded heads), or [0] for no sink."""
+def _sink(sink: jax.Array | None) -> jax.Array:
+    """The sink operand: f32 [h_q], or [0] for no sink."""
     if sink is None:
         return jnp.zeros((0,), jnp.float32)
     _require("attn_sink", sink, dtype=jnp.float32, ndim=1)
-    return _pad_axis(sink, 0, h_pad, -jnp.inf)
+    return sink
 
 
 def _rows(name: str, x: jax.Array | None, topk: int) -> jax.Array:
@@ -118,25 +117,9 @@ def _rows(name: str, x: jax.Array | None, topk: int) -> jax.Array:
     return x
 
 
-def decode_head_pad(h_q: int) -> int:
-    """The heads of the decode kernel's q for h_q heads: h_q itself up to `NARROW_MAX_HEADS` (the narrow CTA,
-    `csrc/narrow.cuh`, reads and writes a tensor-parallel shard's few heads as they are), else the next
-    multiple of 64."""
-    return h_q if h_q <= NARROW_MAX_HEADS else _round_up(h_q, GROUP)
-
-
 def _pad_indices(indices: jax.Array) -> jax.Array:
     """indices padded with -1 to whole 64-token tiles along their last axis (top-k)."""
     return _pad_axis(indices, indices.ndim - 1, _round_up(indices.shape[-1], GROUP), -1)
-
-
-def _pad_for_kernel(call, *, head_axis: int, narrow: bool = False):
-    """q padded to the kernel's heads (`decode_head_pad` when `narrow`, else 64-head groups; sink -inf for
-    the padding), indices to 64-token tiles (-1): `(q, sink, indices, h_pad)`."""
-    h_q = call.q.shape[head_axis]
-    h_pad = decode_head_pad(h_q) if narrow else _round_up(h_q, GROUP)
-    qp = _pad_axis(call.q, head_axis, h_pad, 0)
-    return qp, _sink(call.attn_sink, h_q, h_pad), _pad_indices(call.indices), h_pad
 
 
 # ------------------------------------------------------------------------------ decode
@@ -200,11 +183,11 @@ def prepare_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
     """(ffi args, ffi attrs, result ShapeDtypeStructs, info) of a checked `DecodeCall` over `plan`."""
     _check_decode(call)
     b, s_q, h_q, _ = call.q.shape
-    qp, sink, idx, h_pad = _pad_for_kernel(call, head_axis=2, narrow=True)
+    idx = _pad_indices(call.indices)
     tl = _rows("topk_length", call.topk_length, call.indices.shape[2])
     if call.has_extra:
         etopk = call.extra_indices.shape[2]
-        eidx = _pad_axis(call.extra_indices, 2, _round_up(etopk, GROUP), -1)
+        eidx = _pad_indices(call.extra_indices)
         etl = _rows("extra_topk_length", call.extra_topk_length, etopk)
         ekv = call.extra_kv_cache
         ekv_format, ebs = FORMAT_CODES[call.extra_kv_format], int(call.extra_block_size)
@@ -216,17 +199,17 @@ def prepare_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
     meta, splits = plan
     parts = meta.shape[0]
     slots = 1 if plan.batch_invariant else b + parts
-    args = (qp, call.kv_cache, idx, tl, sink, meta, splits, ekv, eidx, etl)
+    args = (call.q, call.kv_cache, idx, tl, _sink(call.attn_sink), meta, splits, ekv, eidx, etl)
     attrs = dict(softmax_scale=np.float32(call.softmax_scale), kv_format=np.int64(FORMAT_CODES[call.kv_format]),
                  block_size=np.int64(call.block_size), has_extra=np.int64(1 if call.has_extra else 0),
                  extra_kv_format=np.int64(ekv_format), extra_block_size=np.int64(ebs))
     results = (
-        jax.ShapeDtypeStruct((b, s_q, h_pad, HEAD_DIM), jnp.bfloat16),
-        jax.ShapeDtypeStruct((b, s_q, h_pad), jnp.float32),
-        jax.ShapeDtypeStruct((slots, s_q, h_pad, HEAD_DIM), jnp.float32),
-        jax.ShapeDtypeStruct((slots, s_q, h_pad), jnp.float32),
+        jax.ShapeDtypeStruct((b, s_q, h_q, HEAD_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, s_q, h_q), jnp.float32),
+        jax.ShapeDtypeStruct((slots, s_q, h_q, HEAD_DIM), jnp.float32),
+        jax.ShapeDtypeStruct((slots, s_q, h_q), jnp.float32),
     )
-    return args, attrs, results, dict(h_q=h_q, h_pad=h_pad, num_parts=parts)
+    return args, attrs, results, dict(h_q=h_q, num_parts=parts)
 
 
 def _empty_decode(call):
@@ -244,12 +227,9 @@ def decode(call, *, planner: str = "device", num_sms: int | None = None) -> tupl
     if b == 0 or s_q == 0:
         return _empty_decode(call)
     plan = call_plan(call, num_sms=num_sms, planner=planner)
-    args, attrs, results, info = prepare_decode(call, plan)
+    args, attrs, results, _ = prepare_decode(call, plan)
     ensure_registered()
     out, lse, _, _ = jax.ffi.ffi_call(DECODE_TARGET, results)(*args, **attrs)
-    h_q = info["h_q"]
-    if info["h_pad"] != h_q:
-        out, lse = out[:, :, :h_q], lse[:, :, :h_q]
     return out, lse
 
 
@@ -285,7 +265,7 @@ def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, t
     if kv_f16 is None:
         kv_f16 = prefill_kv_f16(call.kv.shape[0], s_q, idx.shape[1], num_groups)
     args = (q, to_f16_saturating(call.kv) if kv_f16 else call.kv, idx,
-            _rows("topk_length", call.topk_length, call.indices.shape[1]), _sink(call.attn_sink, h_q, h_q))
+            _rows("topk_length", call.topk_length, call.indices.shape[1]), _sink(call.attn_sink))
     attrs = dict(softmax_scale=np.float32(call.softmax_scale))
     results = (
         jax.ShapeDtypeStruct((s_q, h_q, HEAD_DIM), jnp.bfloat16),

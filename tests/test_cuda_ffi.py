@@ -299,7 +299,8 @@ def test_emulated_decode_grid(emu, name):
 @pytest.mark.parametrize("kw,num_sms", [
     # few parts: each part walks several requests (segments, Q reloads, pipeline across them) and splits some
     (dict(b=7, s_q=2, h_q=16, topk=200, block_size=64, fmt="fp8_ds_mla", lengths="var"), 8),
-    # two head groups (h=80 -> 128 padded: one 2-CTA pair), topk not a multiple of 64, the pair walks both requests
+    # two head groups (h=80: the second of 16 heads; one 2-CTA pair), topk not a multiple of 64, the pair walks both
+    # requests
     (dict(b=2, s_q=1, h_q=80, topk=130, block_size=16, fmt="bf16", lengths="full", sink="inf"), 2),
     # main + extra cache, many blocks per request, many splits
     (dict(b=3, s_q=1, h_q=8, topk=128, block_size=64, fmt="fp8_ds_mla",
@@ -350,14 +351,15 @@ def test_emulated_decode_grid_as_pairs(emu, name):
     _check_decode(make_decode_case(300 + PAIR_GRID_IDS.index(name), **kw), num_sms=4)
 
 
-# The narrow CTA (csrc/narrow.cuh) takes h_q <= 32 heads as they are; the 64-head CTA everything above (padded).
-def test_decode_head_pad():
-    assert [cuda_ffi.ops.decode_head_pad(h) for h in (1, 3, 8, 16, 17, 24, 32, 33, 64, 65, 128)] == [
-        1, 3, 8, 16, 17, 24, 32, 64, 64, 128, 128]
-    for h, want in ((8, 8), (24, 24), (48, 64)):
-        call = _decode_call(make_decode_case(5, h_q=h, topk=64, fmt="fp8_ds_mla"))
-        plan = cuda_ffi.ops.call_plan(call, num_sms=8, planner="jax")
-        assert cuda_ffi.ops.prepare_decode(call, plan)[3]["h_pad"] == want, h
+# Every head count passes q as it is and gets its results at h_q heads: the narrow CTA (csrc/narrow.cuh) takes
+# h_q <= 32, the 64-head CTA everything above, a last partial group completed with zero Q rows in the kernel.
+@pytest.mark.parametrize("h", [8, 24, 48, 100])
+def test_decode_passes_q_unpadded(h):
+    call = _decode_call(make_decode_case(5, h_q=h, topk=64, fmt="fp8_ds_mla"))
+    plan = cuda_ffi.ops.call_plan(call, num_sms=8, planner="jax")
+    args, _, results, _ = cuda_ffi.ops.prepare_decode(call, plan)
+    assert args[0] is call.q and args[4].shape == (h,)
+    assert [r.shape[2] for r in results] == [h] * 4
 
 
 NARROW_GRID_IDS = ["fp8_p61", "fp8_extra_p2", "bf16_p64", "fp8_all_invalid_row", "fp8_zero_len"]
@@ -558,8 +560,11 @@ def test_handler_checks_name_the_argument(emu):
     with pytest.raises(ValueError, match=r"attn_sink: expected shape \[4\], got \[2\]"):
         run_decode_ffi(bad, attrs, results)
     bad = list(args)
-    bad[0] = jnp.zeros(bad[0].shape[:2] + (40, 512), jnp.bfloat16)  # q: 1..32 heads, or padded to 64
-    with pytest.raises(ValueError, match=r"q: expected 1..32 heads or a multiple of 64, got shape \[3, 2, 40, 512\]"):
+    bad[0] = jnp.zeros(bad[0].shape[:2] + (0, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"q: expected at least one head, got shape \[3, 2, 0, 512\]"):
+        run_decode_ffi(bad, attrs, results)
+    bad[0] = jnp.zeros(bad[0].shape[:2] + (40, 512), jnp.bfloat16)  # any head count; the sink must match it
+    with pytest.raises(ValueError, match=r"attn_sink: expected shape \[40\], got \[4\] \(or \[0\]: no sink\)"):
         run_decode_ffi(bad, attrs, results)
     bad = list(args)
     bad[2] = bad[2].astype(jnp.float32)  # indices

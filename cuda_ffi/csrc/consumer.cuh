@@ -577,8 +577,9 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
   if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-// Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty).
-DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float* arow0, float* alse0) {
+// Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty); rows < `rows`.
+DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float* arow0, float* alse0,
+                       int rows = kHeadsPerCta) {
   const int g = lane >> 2, t = lane & 3;
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
   const float* mfin = reinterpret_cast<const float*>(smem + kSmemMfin);
@@ -587,6 +588,7 @@ DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float*
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = o_row(w, rb, g) + 8 * hr;
+      if (r >= rows) continue;
       const float L = lsum[r] + lsum[64 + r];
       const float inv = L > 0.f ? 1.f / L : 0.f;
       float* arow = arow0 + (int64_t)r * kHeadDim;

@@ -99,8 +99,8 @@ constexpr bool kStagedEpi = kWgmma;
 // The piece of an empty segment (a plan made for longer requests than the call's), so that every slot the plan
 // names holds a value: O = 0, lse2 = -inf into its accumulator slot, or, when the request is one piece, out = 0,
 // lse = +inf. Written by the kThreadsT consumer threads (ct: this one's index among them), with no tile, for the
-// CTA's `rows` heads from head `head0` (a 64-head group; the narrow CTA's h_q heads from 0) of rows of
-// `heads` heads (h_pad, or the narrow CTA's h_q). head_row: row (request, token) times `heads`, plus head0.
+// CTA's `rows` heads from head `head0` (a 64-head group, fewer in a last partial one; the narrow CTA's h_q heads
+// from 0) of rows of `heads` heads (h_q). head_row: row (request, token) times `heads`, plus head0.
 template <int kThreadsT = kConsumerThreads>
 DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
                              int64_t heads, int64_t head0, int rows, int ct) {
@@ -127,20 +127,21 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
   Acc acc;
   int tc = 0;
   const int ct = thread_idx();
+  const int rows = group_rows(p.h_q, group);
   for (int req = wk.begin_req; req <= wk.end_req; ++req) {
     const DecodeSeg sg = decode_segment(p, wk, req);
     const int64_t row = (int64_t)req * p.s_q + s;
-    const int64_t head_row = row * p.h_pad + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_pad]
+    const int64_t head_row = row * p.h_q + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_q]
     if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
-      write_empty_piece(p, wk, req, s, head_row, p.h_pad, (int64_t)group * kHeadsPerCta, kHeadsPerCta, ct);
+      write_empty_piece(p, wk, req, s, head_row, p.h_q, (int64_t)group * kHeadsPerCta, rows, ct);
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;
-    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct);
-    if (kStagedEpi && req < wk.end_req) {  // the next request's 64 KB of Q rows: two 128-byte lines per thread
-      const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_pad) * kHeadDim);
-      prefetch_l2(qn + 128 * ct);
-      prefetch_l2(qn + 128 * (ct + kConsumerThreads));
+    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct, rows);
+    if (kStagedEpi && req < wk.end_req) {  // the next request's Q rows (64 KB): two 128-byte lines per thread
+      const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_q) * kHeadDim);
+      if (ct < 8 * rows) prefetch_l2(qn + 128 * ct);
+      if (ct + kConsumerThreads < 8 * rows) prefetch_l2(qn + 128 * (ct + kConsumerThreads));
     }
     acc_reset(acc);
     consume_tiles(crew, smem, tc, ntiles, acc, p.scale_log2, w, lane, side);
@@ -158,15 +159,15 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     if (pieces <= 1 || p.num_slots <= 1) {  // (one slot: the caller's plan has no split-KV, no combine runs)
       if constexpr (kStagedEpi)
         write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                                        group_sink(p.sink, group));
+                                        group_sink(p.sink, group), rows);
       else
         write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                    group_sink(p.sink, group));
+                    group_sink(p.sink, group), rows);
     } else {
       const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);
       if (slot >= 0 && slot < p.num_slots) {  // (the combine reads only slots inside the buffer too)
-        const int64_t arow = (slot * p.s_q + s) * p.h_pad + (int64_t)group * kHeadsPerCta;
-        write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow);
+        const int64_t arow = (slot * p.s_q + s) * p.h_q + (int64_t)group * kHeadsPerCta;
+        write_split(smem, acc, w, lane, p.o_accum + arow * kHeadDim, p.lse_accum + arow, rows);
       }
     }
   }

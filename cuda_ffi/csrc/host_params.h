@@ -188,10 +188,10 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (!(e = expect("q", q, DType::kBF16, 4)).empty()) return e;
   const int64_t b = q.dims[0], s_q = q.dims[1], h = q.dims[2];
   if (q.dims[3] != kHeadDim) return cat("q: expected head dim ", kHeadDim, ", got shape ", shape_str(q));
-  const bool narrow = h >= 1 && h <= kNarrowMaxHeads;  // narrow.cuh's CTA: q's heads as they are
-  if (!narrow && (h < kHeadsPerCta || h % kHeadsPerCta))
-    return cat("q: expected 1..", kNarrowMaxHeads, " heads or a multiple of ", kHeadsPerCta, ", got shape ",
-               shape_str(q));
+  // narrow.cuh's CTA up to kNarrowMaxHeads heads, else 64-head groups, a last partial one completed with zero Q
+  // rows in the kernel: q's heads as they are either way
+  const bool narrow = h >= 1 && h <= kNarrowMaxHeads;
+  if (h < 1) return cat("q: expected at least one head, got shape ", shape_str(q));
   if (b < 1 || s_q < 1) return cat("q: expected b >= 1 and s_q >= 1, got shape ", shape_str(q));
   if (b >= kMaxI32 / 2 || s_q > 65535 * 64 || h > (1 << 20)) return cat("q: shape too large: ", shape_str(q));
   if (!(softmax_scale == softmax_scale) || softmax_scale == 1.0f / 0.0f || softmax_scale == -1.0f / 0.0f)
@@ -210,8 +210,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
     p->extra = p->main;
   }
   if (!(e = expect("attn_sink", sink, DType::kF32, 1)).empty()) return e;
-  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h})).empty())
-    return e + " (pad with -inf; or [0]: no sink)";
+  if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h})).empty()) return e + " (or [0]: no sink)";
   if (!(e = expect("tile_scheduler_metadata", sched, DType::kS32, 2)).empty()) return e;
   if (!(e = expect_dims("tile_scheduler_metadata", sched, {-1, 8})).empty()) return e;
   const int64_t parts = sched.dims[0];
@@ -230,7 +229,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (!(e = expect_dims("o_accum", out[2], {slots, s_q, h, kHeadDim})).empty()) return e;
   if (!(e = expect("lse_accum", out[3], DType::kF32, 3)).empty()) return e;
   if (!(e = expect_dims("lse_accum", out[3], {slots, s_q, h})).empty()) return e + " (as o_accum)";
-  const int64_t groups = narrow ? 1 : h / kHeadsPerCta;
+  const int64_t groups = narrow ? 1 : (h + kHeadsPerCta - 1) / kHeadsPerCta;
   const int64_t grid = groups * s_q * parts;
   if (grid > kMaxI32) return cat("decode grid too large: ", grid, " CTAs (head groups * s_q * num_parts)");
   if (b * s_q * ((h + 7) / 8) > kMaxI32) return cat("combine grid too large for q shape ", shape_str(q));
@@ -246,7 +245,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->b = (int32_t)b;
   p->s_q = (int32_t)s_q;
   p->h_q = (int32_t)h;
-  p->h_pad = narrow ? (h <= 16 ? 16 : kNarrowMaxHeads) : (int32_t)h;
+  p->h_pad = narrow ? (h <= 16 ? 16 : kNarrowMaxHeads) : (int32_t)(groups * kHeadsPerCta);
   p->num_groups = (int32_t)groups;
   p->num_parts = (int32_t)parts;
   p->has_extra = (int32_t)has_extra;

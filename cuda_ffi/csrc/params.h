@@ -76,8 +76,7 @@ struct DecodeParams {
   Pool extra;
   float scale_log2;          // softmax_scale * log2(e)
   // h_q: the heads of q, out, lse and the accumulators (their row stride); h_pad: the heads the CTAs compute
-  // (a multiple of 64, = h_q; or the narrow CTA's 16 / 32 rows, h_q <= h_pad, rows past h_q neither read nor
-  // written)
+  // (num_groups x 64; or the narrow CTA's 16 / 32 rows), h_q <= h_pad, rows past h_q neither read nor written
   int32_t b, s_q, h_q, h_pad, num_groups, num_parts, has_extra;
   int32_t pair;              // 1: CTAs of head groups 2k, 2k+1 run as a 2-CTA cluster sharing the gather
   int32_t num_slots;         // accumulator slots; a piece whose slot lies past them is never written or read

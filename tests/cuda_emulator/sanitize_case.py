@@ -1,5 +1,6 @@
-"""Two cuda decodes (fp8 main + extra cache, split plan; h 64 and h 128, the 2-CTA pair) and two prefills (bf16
-rows: prefill_cta, h 40; f16 rows: the seesaw CTA, h 100: two head groups, the last partial; varying lengths), for
+"""Three cuda decodes (fp8 main + extra cache, split plan; h 64, and h 128 and 100 as 2-CTA pairs) and two
+prefills (bf16 rows: prefill_cta, h 40; f16 rows: the seesaw CTA, h 100: two head groups, the last partial;
+varying lengths), for
 `compute-sanitizer --tool memcheck python -m tests.cuda_emulator.sanitize_case` (benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def main() -> int:
         # h_q = 128: two head groups run as 2-CTA clusters (bulk copies into the peer, cluster mbarriers)
         ("sanitizer decode (pair)", make_decode_case(7, b=3, s_q=2, h_q=128, topk=200, block_size=61, s_kv=400,
                                                      fmt="fp8_ds_mla", extra=extra)),
+        # h_q = 100: the same pair, its second group of 36 heads (q and the results unpadded)
+        ("sanitizer decode (pair, 100 heads)", make_decode_case(9, b=3, s_q=2, h_q=100, topk=200, block_size=61,
+                                                                s_kv=400, fmt="fp8_ds_mla", extra=extra)),
     ]
     for what, dec in decodes:
         out, lse = jax.block_until_ready(d.sparse_mla_decode(*dec.args(), **dec.kwargs(), impl="cuda"))
