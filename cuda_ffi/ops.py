@@ -11,8 +11,7 @@ Both kernels work on 64-head groups and 64-token tiles, so the wrapper
 - decode: runs over a split plan (`dsv41_jax.plans.DecodePlan`): the call's own, or, when none is
   given, one made in the call: the batch-invariant constant, or FlashMLA's plan from the one-warp
   planner kernel (`PLAN_TARGET`, `plan_on_device`; `planner="jax"`: `plan_decode_splits` in XLA);
-- passes the split accumulators `o_accum f16[b + parts, s_q, h_q, 512]` (pieces O / L, within f16's range
-  as the kernels' f16 tiles are) and `lse_accum f32` as extra FFI
+- passes the split accumulators `o_accum f32[b + parts, s_q, h_q, 512]` and `lse_accum` as extra FFI
   results (no allocation inside the handler; command-buffer compatible); a plan without split-KV
   (batch-invariant) gets one slot and no combine kernel;
 - prefill: converts kv to f16 (saturating) when `prefill_kv_f16` says the rows are re-read often enough; the
@@ -207,7 +206,7 @@ def prepare_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
     results = (
         jax.ShapeDtypeStruct((b, s_q, h_q, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((b, s_q, h_q), jnp.float32),
-        jax.ShapeDtypeStruct((slots, s_q, h_q, HEAD_DIM), jnp.float16),
+        jax.ShapeDtypeStruct((slots, s_q, h_q, HEAD_DIM), jnp.float32),
         jax.ShapeDtypeStruct((slots, s_q, h_q), jnp.float32),
     )
     return args, attrs, results, dict(h_q=h_q, num_parts=parts)

@@ -584,9 +584,6 @@ def test_handler_checks_name_the_argument(emu):
     bad[2] = jax.ShapeDtypeStruct((5,) + bad[2].shape[1:], bad[2].dtype)  # o_accum: b + parts slots, or 1
     with pytest.raises(ValueError, match=r"o_accum: expected 7 slots \(b \+ num_parts\) or 1"):
         run_decode_ffi(args, attrs, bad)
-    bad[2] = jax.ShapeDtypeStruct(results[2].shape, jnp.float32)  # o_accum holds f16 pieces
-    with pytest.raises(ValueError, match="o_accum: expected dtype float16, got float32"):
-        run_decode_ffi(args, attrs, bad)
     with pytest.raises(ValueError, match="planner must be one of"):
         _ops.call_plan(call, planner="host")
     pcase = make_prefill_case(26, s_q=2, h_q=4, topk=64)

@@ -11,13 +11,8 @@ namespace dsv41 {
 // Only pieces inside the accumulators are read (num_splits comes with the plan, a value of the caller's).
 // The lanes load 32 pieces' lse2 at once and reduce them by shuffles, and the O rows are read kCombineUnroll
 // pieces at a time: at small batches the combine's cost is its chain of load latencies, one per round.
-// The O sum runs over the pieces in order, so the result does not depend on the unrolling. The pieces are f16
-// (write_split), each lane's 4 dims of a 128-dim quarter one 8-byte load.
+// The O sum runs over the pieces in order, so the result does not depend on the unrolling.
 constexpr int kCombineUnroll = 2;
-DEVFN float4 load_piece4(const uint16_t* p) {
-  const uint2 v = *reinterpret_cast<const uint2*>(p);
-  return make_f4(f16_lo(v.x), f16_hi(v.x), f16_lo(v.y), f16_hi(v.y));
-}
 DEVFN float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v = fmaxf(v, shfl_xor_f32(v, o));
@@ -71,7 +66,7 @@ DEVFN void combine_cta(const DecodeParams& p) {
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-  const uint16_t* oa = p.o_accum + (((int64_t)first * p.s_q + s) * p.h_q + head) * kHeadDim + 4 * lane;
+  const float* oa = p.o_accum + (((int64_t)first * p.s_q + s) * p.h_q + head) * kHeadDim + 4 * lane;
   for (int i0 = 0; i0 < n; i0 += 32) {
     const int cnt = n - i0 < 32 ? n - i0 : 32;
     const uint32_t wl = f32_bits(lane < cnt ? fexp2(la[(i0 + lane) * stride] - gl) * factor : 0.f);  // lse2 -inf -> 0
@@ -80,9 +75,9 @@ DEVFN void combine_cta(const DecodeParams& p) {
       float4 v[kCombineUnroll][4];
 #pragma unroll
       for (int u = 0; u < kCombineUnroll; ++u) {
-        const uint16_t* src = oa + (int64_t)(i0 + k + u) * stride * kHeadDim;
+        const float* src = oa + (int64_t)(i0 + k + u) * stride * kHeadDim;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[u][j] = load_piece4(src + 128 * j);
+        for (int j = 0; j < 4; ++j) v[u][j] = *reinterpret_cast<const float4*>(src + 128 * j);
       }
 #pragma unroll
       for (int u = 0; u < kCombineUnroll; ++u) {
@@ -98,10 +93,10 @@ DEVFN void combine_cta(const DecodeParams& p) {
     }
     for (; k < cnt; ++k) {
       const float wgt = bits_f32(shfl_idx_u32(wl, k));
-      const uint16_t* src = oa + (int64_t)(i0 + k) * stride * kHeadDim;
+      const float* src = oa + (int64_t)(i0 + k) * stride * kHeadDim;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float4 v = load_piece4(src + 128 * j);
+        const float4 v = *reinterpret_cast<const float4*>(src + 128 * j);
         acc[j][0] += wgt * v.x;
         acc[j][1] += wgt * v.y;
         acc[j][2] += wgt * v.z;

@@ -577,11 +577,8 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
   if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-// Split epilogue: o_accum f16 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty); rows < `rows`.
-// Why f16: the pieces are written by the decode and read by the combine, twice the bytes in f32, which small
-// batches (one or two tiles per part) pay in full; |O / L| <= max |V|, inside f16's range as the f16 tiles
-// are, and its 11 significant bits are below the bf16 output's rounding.
-DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, uint16_t* arow0, float* alse0,
+// Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty); rows < `rows`.
+DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, float* arow0, float* alse0,
                        int rows = kHeadsPerCta) {
   const int g = lane >> 2, t = lane & 3;
   const float* lsum = reinterpret_cast<const float*>(smem + kSmemLsum);
@@ -594,11 +591,14 @@ DEVFN void write_split(const char* smem, const Acc& acc, int w, int lane, uint16
       if (r >= rows) continue;
       const float L = lsum[r] + lsum[64 + r];
       const float inv = L > 0.f ? 1.f / L : 0.f;
-      uint16_t* arow = arow0 + (int64_t)r * kHeadDim;
+      float* arow = arow0 + (int64_t)r * kHeadDim;
 #pragma unroll
       for (int n = 0; n < kOCols; ++n) {
         const float* o = acc.o[kOCols * rb + n];
-        *reinterpret_cast<uint32_t*>(arow + o_dim(w, n, t)) = pack_f16x2(o[2 * hr] * inv, o[2 * hr + 1] * inv);
+        float2 v;
+        v.x = o[2 * hr] * inv;
+        v.y = o[2 * hr + 1] * inv;
+        *reinterpret_cast<float2*>(arow + o_dim(w, n, t)) = v;
       }
       if (o_dim(w, 0, t) == 0) alse0[r] = L > 0.f ? mfin[r] + flog2(L) : -finf();
     }

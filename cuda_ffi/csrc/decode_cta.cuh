@@ -117,7 +117,7 @@ DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int re
   if (slot < 0 || slot >= p.num_slots) return;
   const int64_t arow = (slot * p.s_q + s) * heads + head0;
   uint4* o = reinterpret_cast<uint4*>(p.o_accum + arow * kHeadDim);
-  for (int i = ct; i < rows * kHeadDim / 8; i += kThreadsT) o[i] = zero;
+  for (int i = ct; i < rows * kHeadDim / 4; i += kThreadsT) o[i] = zero;
   if (ct < rows) p.lse_accum[arow + ct] = -finf();
 }
 

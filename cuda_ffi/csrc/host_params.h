@@ -161,11 +161,11 @@ inline std::string row_lengths(const char* name, const TensorView& t, int64_t ro
   return "";
 }
 
-// Decode: q [b, s_q, h, 512] bf16 (any h: h <= 32 the narrow CTA, else 64-head groups, the last maybe partial),
+// Decode: q [b, s_q, h, 512] bf16 (h <= 32: the narrow CTA, heads as they are; else h % 64 == 0),
 // kv_cache, indices [b, s_q, topk] int32, topk_length [b] int32 (or [1]: one for all), attn_sink [h] f32
 // (or [0]: no sink), the split plan tile_scheduler_metadata [num_parts, 8] int32 and num_splits [b + 1]
 // int32 (dsv41_jax.scheduler), extra_* (ignored when has_extra == 0; extra_topk_length may be [1]); results
-// out [b, s_q, h, 512] bf16, lse [b, s_q, h] f32, o_accum [slots, s_q, h, 512] f16 and lse_accum [slots,
+// out [b, s_q, h, 512] bf16, lse [b, s_q, h] f32, o_accum [slots, s_q, h, 512] f32 and lse_accum [slots,
 // s_q, h] f32 with slots = b + num_parts, or 1 for a plan without split-KV (no combine runs).
 // Head groups 2k and 2k + 1 of one query row attend to the same tokens: with an even number of
 // groups their decode CTAs run as 2-CTA clusters that split every tile's gather (kernels.cuh). The
@@ -221,7 +221,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (!(e = expect_dims("out", out[0], {b, s_q, h, kHeadDim})).empty()) return e;
   if (!(e = expect("lse", out[1], DType::kF32, 3)).empty()) return e;
   if (!(e = expect_dims("lse", out[1], {b, s_q, h})).empty()) return e;
-  if (!(e = expect("o_accum", out[2], DType::kF16, 4)).empty()) return e;
+  if (!(e = expect("o_accum", out[2], DType::kF32, 4)).empty()) return e;
   const int64_t slots = out[2].dims[0];
   if (slots != 1 && slots != b + parts)
     return cat("o_accum: expected ", b + parts, " slots (b + num_parts) or 1 (a plan without split-KV), got shape ",
@@ -239,7 +239,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->num_splits = static_cast<const int32_t*>(nsplit.data);
   p->out = static_cast<uint16_t*>(out[0].data);
   p->lse = static_cast<float*>(out[1].data);
-  p->o_accum = static_cast<uint16_t*>(out[2].data);
+  p->o_accum = static_cast<float*>(out[2].data);
   p->lse_accum = static_cast<float*>(out[3].data);
   p->scale_log2 = softmax_scale * 1.4426950408889634f;
   p->b = (int32_t)b;

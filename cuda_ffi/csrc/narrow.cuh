@@ -306,10 +306,9 @@ DEVFN void narrow_write_final(const char* smem, const NarrowAcc<R>& acc, int h_q
     }
 }
 
-// Split epilogue: o_accum f16 = O / L (0 if empty; write_split says why f16), lse_accum = M + log2 L (-inf if
-// empty); rows < h_q.
+// Split epilogue: o_accum f32 = O / L (0 if empty), lse_accum = M + log2 L (-inf if empty); rows < h_q.
 template <int R>
-DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int h_q, int w, int lane, uint16_t* arow0,
+DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int h_q, int w, int lane, float* arow0,
                               float* alse0) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -320,10 +319,14 @@ DEVFN void narrow_write_split(const char* smem, const NarrowAcc<R>& acc, int h_q
       if (row >= h_q) continue;
       const NarrowRow fr = narrow_row(smem, row, nullptr);
       const float inv = fr.inv;
-      uint16_t* arow = arow0 + (int64_t)row * kHeadDim + kNarrowDimsPerWarp * w + 2 * t;
+      float* arow = arow0 + (int64_t)row * kHeadDim + kNarrowDimsPerWarp * w + 2 * t;
 #pragma unroll
-      for (int n = 0; n < 16; ++n)
-        *reinterpret_cast<uint32_t*>(arow + 8 * n) = pack_f16x2(acc.o[r][n][2 * hr] * inv, acc.o[r][n][2 * hr + 1] * inv);
+      for (int n = 0; n < 16; ++n) {
+        float2 v;
+        v.x = acc.o[r][n][2 * hr] * inv;
+        v.y = acc.o[r][n][2 * hr + 1] * inv;
+        *reinterpret_cast<float2*>(arow + 8 * n) = v;
+      }
       if (w == 0 && t == 0) alse0[row] = fr.lse2;
     }
 }
@@ -546,7 +549,7 @@ DEVFN void narrow_write_final(const char* smem, const NarrowAccT<R>& acc, int h_
 }
 
 template <int R>
-DEVFN void narrow_write_split(const char* smem, const NarrowAccT<R>& acc, int h_q, int w, int lane, uint16_t* arow0,
+DEVFN void narrow_write_split(const char* smem, const NarrowAccT<R>& acc, int h_q, int w, int lane, float* arow0,
                               float* alse0) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -557,11 +560,11 @@ DEVFN void narrow_write_split(const char* smem, const NarrowAccT<R>& acc, int h_
       if (head >= h_q) continue;
       const NarrowRow fr = narrow_row(smem, head, nullptr);
       const float inv = fr.inv;
-      uint16_t* arow = arow0 + (int64_t)head * kHeadDim + 16 * w + g;
+      float* arow = arow0 + (int64_t)head * kHeadDim + 16 * w + g;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        arow[64 * i] = (uint16_t)pack_f16x2(acc.o[i][4 * n + c] * inv, 0.f);
-        arow[64 * i + 8] = (uint16_t)pack_f16x2(acc.o[i][4 * n + 2 + c] * inv, 0.f);
+        arow[64 * i] = acc.o[i][4 * n + c] * inv;
+        arow[64 * i + 8] = acc.o[i][4 * n + 2 + c] * inv;
       }
       if (w == 0 && g == 0) alse0[head] = fr.lse2;
     }

@@ -70,7 +70,7 @@ struct DecodeParams {
   const int32_t* num_splits; // int32 [b + 1]
   uint16_t* out;             // bf16 [b, s_q, h_q, 512]
   float* lse;                // f32 [b, s_q, h_q]
-  uint16_t* o_accum;         // f16 [num_slots, s_q, h_q, 512] (num_slots = b + num_parts, or 1: no split-KV)
+  float* o_accum;            // f32 [num_slots, s_q, h_q, 512] (num_slots = b + num_parts, or 1: no split-KV)
   float* lse_accum;          // f32 [num_slots, s_q, h_q] (log2 domain)
   Pool main;
   Pool extra;
