@@ -3,7 +3,7 @@
 Both kernels work on 64-head groups and 64-token tiles, so the wrapper
 - passes q and takes the results at the call's own head count: a last group of fewer than 64 heads is
   completed with zero Q rows inside the kernels and its missing heads are never written; a decode of at
-  most 32 heads runs the narrow CTA (16 or 32 rows, `NARROW_MAX_HEADS`);
+  most 32 heads runs the narrow CTA (16 or 32 rows; params.h `kNarrowMaxHeads`);
 - pads indices with -1 to a multiple of 64 (at least 64);
 - passes lengths and sinks as they are (the kernels clamp lengths to [0, topk]); absent lengths are a
   constant `[topk]` (one length for every row), an absent sink an empty operand, so a call adds no
@@ -35,7 +35,7 @@ from dsv41_jax.kv_cache import LATENT_DIM, f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import num_sm_parts_for
 
-__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "NARROW_MAX_HEADS", "FORMAT_CODES", "MAX_PLANS",
+__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES", "MAX_PLANS",
            "decode_supports", "prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "decode",
            "prefill_kv_f16", "prepare_prefill", "prefill"]
 
@@ -44,7 +44,6 @@ PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
 HEAD_DIM = LATENT_DIM  # the latent width the kernels are built for
 GROUP = 64
-NARROW_MAX_HEADS = 32  # decode heads the narrow CTA takes unpadded (params.h kNarrowMaxHeads)
 FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
 MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)
 
@@ -272,7 +271,7 @@ def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, t
         jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
         jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
     )
-    return args, attrs, results, dict(h_q=h_q, num_groups=num_groups, kv_f16=bool(kv_f16))
+    return args, attrs, results, dict(h_q=h_q, kv_f16=bool(kv_f16))
 
 
 def prefill(call, *, kv_f16: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
