@@ -29,8 +29,8 @@ class Ablation:
 
 
 _NO_GATHER = (
-    ("producer.cuh", "DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {\n",
-     "DEVFN void tile_prefetch(const Pools& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {\n  return;\n"),
+    ("producer.cuh", "DEVFN void tile_prefetch(const Pools<kFam>& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {\n",
+     "DEVFN void tile_prefetch(const Pools<kFam>& ps, const TileSrc& t, const TileAddr<NB>& a, int lane) {\n  return;\n"),
     ("producer.cuh", "  bt.sc.x = bt.sc.y = 0x7f7f7f7fu;\n", "  bt.sc.x = bt.sc.y = 0x7f7f7f7fu;\n  return;\n"),
 )
 _NO_MMA = (
@@ -54,10 +54,10 @@ _NARROW_NO_PREFETCH = (
     ("producer.cuh", "    tile_prefetch<1>(ps, t2, a2, lane);\n    const int buf = tc & 1;", "    const int buf = tc & 1;"),
 )
 _RECORDS_NO_L1 = (
-    ("producer.cuh", "template <int NB, int NV>\nDEVFN void load_batch(",
+    ("producer.cuh", "template <int NB, int NV, int kFam>\nDEVFN void load_batch(",
      "DEVFN uint4 ldg_na_v4(const void* p) {\n  uint4 v;\n  asm volatile(\"ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, "
      "[%4];\" : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(p));\n  return v;\n}\n"
-     "template <int NB, int NV>\nDEVFN void load_batch("),
+     "template <int NB, int NV, int kFam>\nDEVFN void load_batch("),
     ("producer.cuh", "    for (int i = 0; i < 7; ++i) bt.v[i] = ldg_nc_v4(d + 16 * (q + 4 * i));\n"
      "    bt.v[7] = ldg_nc_v4(d + 448 + 32 * q);\n    bt.v[8] = ldg_nc_v4(d + 448 + 32 * q + 16);",
      "    for (int i = 0; i < 7; ++i) bt.v[i] = ldg_na_v4(d + 16 * (q + 4 * i));\n"

@@ -16,7 +16,8 @@ kernels each call launches, so host dispatch is excluded); wall clock with block
 fallback (CPU). Each case draws several independent input sets (fresh indices and queries over a
 cache far larger than L2) and reports the median over sets x iterations, so L2 never serves a
 repeat. FLOPs and bytes follow FlashMLA's test harness (flashmla.md section 5):
-decode FLOPs = 2 h_q attended (512 + 512), bytes = Q + unique tokens x 576 + O;
+decode FLOPs = 2 h_q attended (512 + 512), bytes = Q + unique tokens x record bytes (584, 528 or 288 with their
+scales; FlashMLA's harness counts 576 for the V4 record) + O;
 prefill FLOPs = 2 sum(topk_length) h_q (512 + 512), bytes = Q + unique kv rows x 1024 + O.
 Prints a table with TFLOP/s, GB/s and the fraction of the H200 ceilings measured here
 (bf16 matmul ~780 TFLOP/s, copy ~4.3 TB/s), writes JSON and a roofline PNG, and appends a dated
@@ -48,6 +49,7 @@ class Case:
     topk: int = 2048
     block_size: int = 64
     fmt: str = "fp8_ds_mla"
+    extra_fmt: str | None = None  # the extra cache's format (None: fmt)
     extra_topk: int = 0
     extra_block_size: int = 64
     s_kv: int = 16384  # tokens per request in the cache (decode) / rows of kv (prefill)
@@ -62,7 +64,15 @@ DECODE_CASES = [
     Case("decode_v4_h128_b64", "decode", b=64, s_q=2, h_q=128, topk=128, block_size=256, extra_topk=1024),
     Case("decode_v4_h128_b256", "decode", b=256, s_q=2, h_q=128, topk=128, block_size=256, extra_topk=1024),
     Case("decode_v4_h64_b256", "decode", b=256, s_q=2, h_q=64, topk=128, block_size=256, extra_topk=512),
+    Case("decode_v4_h64_b64", "decode", b=64, s_q=2, h_q=64, topk=128, block_size=256, extra_topk=512),
 ]
+# V4.1's records (528 B mxfp8_ds_mla SWA cache, 288 B nvfp4_ds_mla compressed cache) at the V4 shapes above
+V41_CASES = [
+    Case(f"decode_v41_h{h}_b{b}", "decode", b=b, s_q=2, h_q=h, topk=128, block_size=256, extra_topk=512 * (h // 64),
+         fmt="mxfp8_ds_mla", extra_fmt="nvfp4_ds_mla")
+    for h, b in ((64, 64), (64, 128), (64, 256), (128, 128))
+]
+DECODE_CASES += V41_CASES
 PREFILL_CASES = [
     Case("prefill_h128_topk2048", "prefill", s_q=4096, h_q=128, topk=2048, s_kv=32768, fmt="bf16"),
     Case("prefill_v4_h128_topk1024", "prefill", s_q=4096, h_q=128, topk=1024, s_kv=32768, fmt="bf16"),
@@ -128,7 +138,8 @@ def _make_decode_inputs(case: Case, key):
     main, cap = filled_cache(k0, case.b * case.s_kv, case.block_size, case.fmt)
     extra = ecap = None
     if case.extra_topk:
-        extra, ecap = filled_cache(k1, case.b * max(case.s_kv // 4, case.extra_topk), case.extra_block_size, case.fmt)
+        extra, ecap = filled_cache(k1, case.b * max(case.s_kv // 4, case.extra_topk), case.extra_block_size,
+                                   case.extra_fmt or case.fmt)
     return main, cap, extra, ecap
 
 
@@ -158,6 +169,7 @@ def run_case(case: Case, impl: str, timer, sets: int, iterations: int, seed: int
     import jax.numpy as jnp
 
     import dsv41_jax as d
+    from dsv41_jax import kv_cache as kvc
 
     key = jax.random.PRNGKey(seed)
     sink = jax.random.normal(jax.random.PRNGKey(seed + 1), (case.h_q,), jnp.float32) if case.sink else None
@@ -166,18 +178,19 @@ def run_case(case: Case, impl: str, timer, sets: int, iterations: int, seed: int
         main, cap, extra, ecap = _make_decode_inputs(case, key)
         kw = dict(kv_format=case.fmt, block_size=case.block_size, softmax_scale=512 ** -0.5, attn_sink=sink, impl=impl)
         if extra is not None:
-            kw.update(extra_kv_format=case.fmt, extra_block_size=case.extra_block_size)
+            kw.update(extra_kv_format=case.extra_fmt or case.fmt, extra_block_size=case.extra_block_size)
         f = jax.jit(lambda q, c, i, e, ei: d.sparse_mla_decode(
             q, c, i, None, **kw, **({"extra_kv_cache": e, "extra_indices": ei} if e is not None else {})))
-        uniq = 0
+        rec, erec = kvc.record_bytes(case.fmt), kvc.record_bytes(case.extra_fmt or case.fmt)
+        kv_bytes = 0
         for s in range(sets):
             q, idx, eidx = _decode_draw(case, jax.random.fold_in(key, 100 + s), cap, ecap)
             args = (q, main, idx, extra, eidx)
             times += timer(f, args, iterations)
-            uniq += _unique(idx) + (_unique(eidx) if eidx is not None else 0)
+            kv_bytes += _unique(idx) * rec + (_unique(eidx) * erec if eidx is not None else 0)
         attended = case.b * case.s_q * (case.topk + case.extra_topk)
         flops = 2 * case.h_q * attended * 1024
-        bytes_ = 2 * 2 * case.b * case.s_q * case.h_q * 512 + (uniq / sets) * 576
+        bytes_ = 2 * 2 * case.b * case.s_q * case.h_q * 512 + kv_bytes / sets
     else:
         kk, kq = jax.random.split(key)
         kv = jax.random.normal(kk, (case.s_kv, 512), jnp.float32).astype(jnp.bfloat16)
@@ -326,7 +339,8 @@ def _step_suite(args, impls) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default=None, help="comma list (default: every registered implementation)")
-    ap.add_argument("--cases", default="decode,prefill", help="decode, prefill, or case names, comma separated")
+    ap.add_argument("--cases", default="decode,prefill",
+                    help="decode, prefill, v41 (the V4.1 records beside the V4 ones), or case names, comma separated")
     ap.add_argument("--quick", action="store_true", help="headline cases only")
     ap.add_argument("--sets", type=int, default=3, help="independent input draws per case")
     ap.add_argument("--iterations", type=int, default=5)
@@ -346,6 +360,8 @@ def main(argv=None) -> int:
     from benchmarks.inputs import git_commit
 
     wanted = set(args.cases.split(","))
+    if "v41" in wanted:  # the V4.1 records beside the 584 B decode of the same shapes
+        wanted |= {c.name for c in V41_CASES} | {c.name.replace("v41", "v4") for c in V41_CASES}
     cases = [c for c in DECODE_CASES + PREFILL_CASES
              if c.op in wanted or c.name in wanted]
     if args.quick:

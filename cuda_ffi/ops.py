@@ -44,8 +44,11 @@ PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
 HEAD_DIM = LATENT_DIM  # the latent width the kernels are built for
 GROUP = 64
-FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
+# kv_format -> the kernels' KvFormat code (csrc/params.h; 2 is prefill's f16 rows, not a cache format)
+FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1, "mxfp8_ds_mla": 3, "nvfp4_ds_mla": 4}
 MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)
+# The decode kernels' format families (params.h kFamV4 / kFamV41): one call reads pools of one family.
+V41_FORMATS = ("mxfp8_ds_mla", "nvfp4_ds_mla")
 
 
 # ------------------------------------------------------------------------------ checks
@@ -67,18 +70,21 @@ def _check_cache(name: str, cache: Any, kv_format: str, bs: int) -> None:
             raise ValueError(f"cuda: {name} (bf16) must be [num_blocks, {bs}, {HEAD_DIM}], got {tuple(cache.shape)}")
     else:
         _require(name, cache, dtype=jnp.uint8, ndim=2)
-        pb = kvc.page_bytes("fp8_ds_mla", bs)
+        pb = kvc.page_bytes(kv_format, bs)
         if cache.shape[1] != pb:
-            raise ValueError(f"cuda: {name} (fp8_ds_mla, block_size {bs}) must be uint8[num_blocks, {pb}], "
+            raise ValueError(f"cuda: {name} ({kv_format}, block_size {bs}) must be uint8[num_blocks, {pb}], "
                              f"got {tuple(cache.shape)}")
 
 
 def decode_supports(call) -> str | None:
     """None if the CUDA decode kernel reads this call's cache formats, else why not."""
     if call.kv_format not in FORMAT_CODES:
-        return f"the cuda kernels read kv_format 'bf16' or 'fp8_ds_mla', not {call.kv_format!r}"
+        return f"the cuda kernels read kv_format {' / '.join(FORMAT_CODES)}, not {call.kv_format!r}"
     if call.has_extra and call.extra_kv_format not in FORMAT_CODES:
-        return f"the cuda kernels read extra_kv_format 'bf16' or 'fp8_ds_mla', not {call.extra_kv_format!r}"
+        return f"the cuda kernels read extra_kv_format {' / '.join(FORMAT_CODES)}, not {call.extra_kv_format!r}"
+    if call.has_extra and (call.kv_format in V41_FORMATS) != (call.extra_kv_format in V41_FORMATS):
+        return (f"the cuda kernels read bf16 / fp8_ds_mla pools or mxfp8_ds_mla / nvfp4_ds_mla pools, not both in one "
+                f"call (kv_format {call.kv_format!r}, extra_kv_format {call.extra_kv_format!r})")
     return None
 
 

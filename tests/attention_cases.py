@@ -341,6 +341,31 @@ DECODE_GRID = [
     ("fp8_sq1_h3", dict(fmt="fp8_ds_mla", block_size=64, topk=64, s_q=1, h_q=3)),
 ]
 
+# The V4.1 formats (mxfp8_ds_mla main, nvfp4_ds_mla or mxfp8_ds_mla extra): every kernel shape (one CTA, a pair,
+# a partial last group, the narrow CTA of 16 / 32 rows), odd pages, variable / zero lengths, invalid indices,
+# NaN-poisoned (0xFF) unused slots, infinite sinks.
+V41_DECODE_GRID = [
+    ("mx_p64_full_nosink", dict(fmt="mxfp8_ds_mla", block_size=64, topk=128, lengths="full", invalid_frac=0.0,
+                                sink="none", h_q=64)),
+    ("mx_p61_var", dict(fmt="mxfp8_ds_mla", block_size=61, topk=192, s_kv=300, h_q=64)),
+    ("nv_main_p2", dict(fmt="nvfp4_ds_mla", block_size=2, topk=64, h_q=64)),
+    ("mx_nv_h64", dict(fmt="mxfp8_ds_mla", block_size=256, topk=128, s_kv=400, h_q=64, sink="inf",
+                       extra=dict(topk=192, block_size=64, fmt="nvfp4_ds_mla", lengths="var"))),
+    ("mx_nv_h128_pair", dict(fmt="mxfp8_ds_mla", block_size=61, topk=128, s_kv=300, h_q=128, b=2,
+                             extra=dict(topk=256, block_size=2, fmt="nvfp4_ds_mla", lengths="full"))),
+    ("mx_mx_h100", dict(fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=100, b=2, s_q=1, invalid_frac=0.3,
+                        extra=dict(topk=128, block_size=69, fmt="mxfp8_ds_mla"))),
+    ("mx_nv_h8_narrow", dict(fmt="mxfp8_ds_mla", block_size=64, topk=128, h_q=8, b=4,
+                             extra=dict(topk=192, block_size=2, fmt="nvfp4_ds_mla", lengths="var"))),
+    ("mx_nv_h24_narrow", dict(fmt="mxfp8_ds_mla", block_size=576, topk=64, s_kv=700, h_q=24, sink="inf",
+                              extra=dict(topk=128, block_size=32, fmt="nvfp4_ds_mla"))),
+    ("mx_nv_h3_zero", dict(fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=3, s_q=1, lengths="zero",
+                           extra=dict(topk=64, block_size=64, fmt="nvfp4_ds_mla", lengths="zero"))),
+    ("mx_nv_all_invalid_row", dict(fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=16, b=4, all_invalid_row=True,
+                                   extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla"))),
+]
+
+
 PREFILL_GRID = [
     ("skv128_topk128", dict(s_kv=128, topk=128)),
     ("sq1", dict(s_q=1, s_kv=256, topk=128)),
@@ -366,14 +391,17 @@ def make_saturating_prefill_case(seed: int) -> tuple[PrefillCase, PrefillCase]:
     return big, sat
 
 
-def make_two_scale_decode_case(seed: int, h_q: int = 8, tiny: bool = False) -> DecodeCase:
-    """An fp8_ds_mla decode case whose selected tokens are half unit-scale (UE8M0 exponent k ~ -8) and
-    half positive with x up to 59904 (every 64-dim tile's amax pinned there: k = 8, still inside f16's
-    range; positive, so no output cancels large terms, which FlashMLA's tolerance does not allow
-    for). Kernels that dequantize k in [-14, 7] and other k differently exercise both paths.
+def make_two_scale_decode_case(seed: int, h_q: int = 8, tiny: bool = False, fmt: str = "fp8_ds_mla",
+                               **kw) -> DecodeCase:
+    """A UE8M0-scaled decode case (fp8_ds_mla, or mxfp8_ds_mla) whose selected tokens are half unit-scale
+    (UE8M0 exponent k ~ -8) and half positive with x up to 59904 (every tile's amax pinned there: k = 8,
+    still inside f16's range; positive, so no output cancels large terms, which FlashMLA's tolerance does
+    not allow for). Kernels that dequantize k in [-14, 7] and other k differently exercise both paths.
     tiny: every selected token instead has |x| <= 2^-11 (k <= -19, below the f16 fast path's range),
-    so the output itself is tiny and a token dequantized on the wrong path is visible."""
-    case = make_decode_case(seed, b=2, s_q=2, h_q=h_q, topk=128, fmt="fp8_ds_mla", lengths="full")
+    so the output itself is tiny and a token dequantized on the wrong path is visible. `kw` goes to
+    make_decode_case (an extra cache, say)."""
+    tile = {"fp8_ds_mla": 64, "mxfp8_ds_mla": 32}[fmt]
+    case = make_decode_case(seed, **{**dict(b=2, s_q=2, h_q=h_q, topk=128, fmt=fmt, lengths="full"), **kw})
     idx = np.asarray(case.indices)
     cap = case.kv_cache.shape[0] * case.block_size
     slots = np.unique(idx[(idx >= 0) & (idx < cap)])
@@ -384,13 +412,16 @@ def make_two_scale_decode_case(seed: int, h_q: int = 8, tiny: bool = False) -> D
     else:
         big = rng.random(slots.size) < 0.5
         rows[big] = rng.uniform(0.25, 1.0, (int(big.sum()), 512)) * 59.904
-        rows[big, ::64] = 59904.0
-    cache = _insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), slots.astype(np.int32), kv_format="fp8_ds_mla",
+        rows[big, ::tile] = 59904.0
+    cache = _insert(case.kv_cache, jnp.asarray(rows, jnp.bfloat16), slots.astype(np.int32), kv_format=fmt,
                     block_size=case.block_size)
+    lay = kvc.layout(fmt)
+    n_scales = (448 if fmt == "fp8_ds_mla" else 512) // tile
     pages = np.asarray(cache).reshape(cache.shape[0], -1)
-    scale_bytes = pages[:, case.block_size * 576:case.block_size * 584].reshape(-1, 8)[:, :7]
-    blk, off = np.divmod(slots, case.block_size)
-    k = scale_bytes.reshape(cache.shape[0], case.block_size, 7)[blk, off].astype(int) - 127
+    p = case.block_size
+    scale_bytes = pages[:, p * lay.data_bytes:p * lay.record_bytes].reshape(cache.shape[0], p, lay.scale_bytes)
+    blk, off = np.divmod(slots, p)
+    k = scale_bytes[blk, off, :n_scales].astype(int) - 127
     if tiny:
         assert (k <= -15).all(), "every selected token below the fast path's range"
     else:

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import cuda_ffi
+from dsv41_jax import kv_cache
 from cuda_ffi import build as cbuild
 from tests.cuda_emulator import build as ebuild
 from dsv41_jax import make_decode_plan, plan_decode_splits, plan_is_stale, sparse_mla_decode, sparse_mla_prefill
@@ -44,6 +45,7 @@ from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call, mak
 from tests.attention_cases import (
     DECODE_GRID,
     PREFILL_GRID,
+    V41_DECODE_GRID,
     assert_close,
     make_decode_case,
     make_prefill_case,
@@ -196,11 +198,21 @@ def test_registration_and_availability_on_cpu(cuda_lib):
         assert why is not None and "gpu" in why
 
 
-def test_supports_rejects_unreadable_formats():
-    case = make_decode_case(3, fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=4)
+@pytest.mark.parametrize("main,extra", [("mxfp8_ds_mla", "fp8_ds_mla"), ("fp8_ds_mla", "nvfp4_ds_mla"),
+                                        ("bf16", "mxfp8_ds_mla")])
+def test_supports_refuses_pools_of_both_families(main, extra):
+    # one decode kernel reads bf16 / fp8_ds_mla pools or mxfp8_ds_mla / nvfp4_ds_mla pools (params.h kFamV4 / kFamV41)
+    case = make_decode_case(3, fmt=main, block_size=64, topk=64, h_q=4, extra=dict(topk=64, block_size=2, fmt=extra))
     why = cuda_ffi.decode_supports(_decode_call(case))
-    assert why is not None and "mxfp8_ds_mla" in why
-    assert cuda_ffi.decode_supports(_decode_call(make_decode_case(3, fmt="bf16", topk=64, h_q=4))) is None
+    assert why is not None and main in why and extra in why
+
+
+@pytest.mark.parametrize("main,extra", [("bf16", None), ("mxfp8_ds_mla", None), ("nvfp4_ds_mla", None),
+                                        ("mxfp8_ds_mla", "nvfp4_ds_mla"), ("mxfp8_ds_mla", "mxfp8_ds_mla"),
+                                        ("fp8_ds_mla", "bf16")])
+def test_supports_reads_every_format_of_one_family(main, extra):
+    ex = None if extra is None else dict(topk=64, block_size=2, fmt=extra)
+    assert cuda_ffi.decode_supports(_decode_call(make_decode_case(3, fmt=main, topk=64, h_q=4, extra=ex))) is None
 
 
 # ------------------------------------------------------------------------------ lowering
@@ -488,6 +500,61 @@ def test_emulated_decode_both_dequant_paths(emu, h_q, tiny):
     # h_q = 128: the paired kernel's producers (each warp's warp-uniform choice of dequantisation loop);
     # tiny: exponents k <= -19, where the f16 fast path would be wrong
     _check_decode(make_two_scale_decode_case(34, h_q=h_q, tiny=tiny), num_sms=4)
+
+
+V41_IDS = [n for n, _ in V41_DECODE_GRID]
+
+
+@pytest.mark.parametrize("name", V41_IDS)
+def test_emulated_decode_v41_formats(emu, name):
+    i = V41_IDS.index(name)
+    _check_decode(make_decode_case(300 + i, **V41_DECODE_GRID[i][1]), num_sms=8)
+
+
+@pytest.mark.parametrize("h_q,tiny", [(64, False), (128, False), (16, True)])
+def test_emulated_decode_mxfp8_both_dequant_paths(emu, h_q, tiny):
+    # UE8M0 exponents past [-14, 7]: the warp-uniform choice of dequant16's f32 path, next to an nvfp4 extra cache
+    case = make_two_scale_decode_case(36, h_q=h_q, tiny=tiny, fmt="mxfp8_ds_mla",
+                                      extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla", lengths="full"))
+    _check_decode(case, num_sms=4)
+
+
+def test_emulated_decode_v41_mma_sync_consumers(emu_mma_sync):
+    # the sm_100a build's consumers over the V4.1 producers
+    case = make_decode_case(37, b=3, s_q=2, h_q=64, topk=128, block_size=64, fmt="mxfp8_ds_mla", lengths="var",
+                            extra=dict(topk=128, block_size=2, fmt="nvfp4_ds_mla"))
+    _check_decode(case, num_sms=8, consumer="mma_sync")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_ds_mla", "mxfp8_ds_mla"])
+def test_emulated_v41_dequantization_is_exact(emu, fmt):
+    # Random records (every e2m1 / e4m3 code; nvfp4 scales over e4m3's finite range, subnormals included;
+    # mxfp8 exponents inside f16's exact range): query token j attends to token j alone (score 0, weight 1),
+    # so its output row is that token's dequantized value, rounded once to bf16.
+    rng = np.random.default_rng(38)
+    p = n = 64
+    lay = kv_cache.layout(fmt)
+    rec = np.zeros((1, p, lay.record_bytes), np.uint8)
+    if fmt == "nvfp4_ds_mla":
+        rec[0, :, :256] = rng.integers(0, 256, (p, 256))
+        rec[0, :, 256:] = rng.choice(np.r_[0:0x7f, 0x80:0xff], (p, 32))  # no NaN scale (0x7f / 0xff)
+    else:
+        codes = rng.integers(0, 256, (p, 512))
+        codes[(codes & 0x7f) == 0x7f] = 0x7e  # e4m3fn's NaN codes
+        rec[0, :, :512] = codes
+        rec[0, :, 512:] = rng.integers(127 - 14, 127 + 8, (p, 16))  # k in [-14, 7]: exact in f16
+    cache = kv_cache.pack_pages(jnp.asarray(rec), fmt)
+    want = np.asarray(kv_cache.dequantize(jnp.asarray(rec[0]), fmt))  # bf16 [n, 512], exact
+    case = make_decode_case(38, b=1, s_q=n, h_q=16, topk=64, block_size=64, fmt="mxfp8_ds_mla", lengths="full",
+                            invalid_frac=0.0, sink="none", extra=dict(topk=64, block_size=p, fmt=fmt, lengths="full"))
+    eidx = np.full((1, n, 64), -1, np.int32)
+    eidx[0, :, 0] = np.arange(n)
+    case = dataclasses.replace(case, topk_length=jnp.zeros((1,), jnp.int32), extra_kv_cache=cache,
+                               extra_indices=jnp.asarray(eidx), q=jnp.zeros_like(case.q))
+    out, _ = _check_decode(case, num_sms=4)
+    got = np.asarray(out)[0]  # [n, h, 512]
+    for h in (0, 15):  # (as values: a -0 code accumulates to +0)
+        np.testing.assert_array_equal(got[:, h].astype(np.float32), want.astype(np.float32))
 
 
 def test_emulated_decode_lengths_past_topk_and_poison(emu):

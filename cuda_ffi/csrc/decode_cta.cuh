@@ -84,11 +84,11 @@ struct TileCursor {
   }
 };
 
-template <class C>
+template <int kFam, class C>
 DEVFN void decode_producers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int s, int pw,
                             int lane) {
   TileCursor cur(p, wk, s);
-  produce_tiles(smem, crew, Pools{&p.main, &p.extra}, pw, lane, [&]() -> TileSrc { return cur.next(); });
+  produce_tiles(smem, crew, Pools<kFam>{&p.main, &p.extra}, pw, lane, [&]() -> TileSrc { return cur.next(); });
 }
 
 // The staged segment boundary (wgmma builds: it needs their O layout): a decode CTA's boundary between
@@ -181,7 +181,7 @@ struct AddrGen {
   int32_t ia;
   DEVFN AddrGen(const DecodeParams& p, const DecodeWork& wk, int s) : cur(p, wk, s), ta{0, 0, 0, false, false}, ia(-1) {}
   DEVFN void prologue(char* smem, int rank, int lane) {  // tiles 0..kAddrLead - 1
-    const Pools ps{&cur.p.main, &cur.p.extra};
+    const Pools<> ps{&cur.p.main, &cur.p.extra};  // (addresses: any family)
     TileSrc t[kAddrLead];
     int32_t i[kAddrLead];
 #pragma unroll
@@ -195,7 +195,7 @@ struct AddrGen {
     ia = half_index(ps, ta, rank, lane);
   }
   DEVFN void step(char* smem, int tc, int rank, int lane) {  // while consuming tile tc
-    const Pools ps{&cur.p.main, &cur.p.extra};
+    const Pools<> ps{&cur.p.main, &cur.p.extra};  // (addresses: any family)
     publish_half_addr(addr_slot(smem, tc + kAddrLead), ps, ta, ia, rank, lane);
     ta = cur.next();
     ia = half_index(ps, ta, rank, lane);
@@ -229,8 +229,8 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
 }
 
 // Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together;
-// with p.pair, groups 2k and 2k + 1 form one 2-CTA cluster).
-template <bool kPair>
+// with p.pair, groups 2k and 2k + 1 form one 2-CTA cluster). kFam: the cache formats it reads (producer.cuh).
+template <bool kPair, int kFam>
 DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
   const auto crew = crew_setup<kPair, kPair>(smem);
@@ -246,7 +246,7 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   static_assert(crew.producer_regs + 2 * crew.consumer_regs <= 3 * kLaunchRegs, "setmaxnreg beyond the launch's registers");
   if (w >= kConsumerWarps) {
     setmaxnreg_dec<crew.producer_regs>();
-    decode_producers(p, wk, smem, crew, s, w - kConsumerWarps, lane);
+    decode_producers<kFam>(p, wk, smem, crew, s, w - kConsumerWarps, lane);
   } else {
     setmaxnreg_inc<crew.consumer_regs>();
     decode_consumers(p, wk, smem, crew, group, s, w, lane);

@@ -78,8 +78,15 @@ inline std::string expect_dims(const char* name, const TensorView& t, std::initi
   return os.str();
 }
 
-inline int64_t fp8_page_bytes(int64_t block_size) {
-  return (block_size * (kFp8TokenData + kFp8TokenScale) + kFp8TokenData - 1) / kFp8TokenData * kFp8TokenData;
+// Bytes of one page of a quantized format: P records, padded to a multiple of the format's page unit.
+inline int64_t page_align(int64_t fmt) { return fmt == kFmtFp8DsMla ? kFp8TokenData : kV41PageAlign; }
+inline int64_t quant_page_bytes(int64_t fmt, int64_t block_size) {
+  const int64_t a = page_align(fmt), rec = token_data_bytes((int32_t)fmt) + token_scale_bytes((int32_t)fmt);
+  return (block_size * rec + a - 1) / a * a;
+}
+inline const char* format_name(int64_t fmt) {
+  return fmt == kFmtBf16 ? "bf16" : fmt == kFmtFp8DsMla ? "fp8_ds_mla" : fmt == kFmtMxfp8DsMla ? "mxfp8_ds_mla"
+                                                                     : fmt == kFmtNvfp4DsMla ? "nvfp4_ds_mla" : "?";
 }
 
 constexpr int64_t kMaxI32 = 2147483647;
@@ -117,8 +124,8 @@ inline int32_t plan_smem_bytes(int64_t b, int64_t parts, int64_t table, int64_t 
 inline std::string make_pool(const char* which, const char* idx_name, const TensorView& cache, const TensorView& idx,
                              int64_t fmt, int64_t block_size, int64_t b, int64_t s_q, Pool* pool) {
   std::string e;
-  if (fmt != kFmtBf16 && fmt != kFmtFp8DsMla)
-    return cat(which, " format: expected 0 (bf16) or 1 (fp8_ds_mla), got ", fmt);
+  if (fmt != kFmtBf16 && fmt != kFmtFp8DsMla && fmt != kFmtMxfp8DsMla && fmt != kFmtNvfp4DsMla)
+    return cat(which, " format: expected 0 (bf16), 1 (fp8_ds_mla), 3 (mxfp8_ds_mla) or 4 (nvfp4_ds_mla), got ", fmt);
   if (block_size < 1 || block_size > (1 << 20)) return cat(which, " block_size: expected 1..1048576, got ", block_size);
   int64_t num_blocks, page_bytes;
   if (fmt == kFmtBf16) {
@@ -127,10 +134,14 @@ inline std::string make_pool(const char* which, const char* idx_name, const Tens
     num_blocks = cache.dims[0];
     page_bytes = block_size * kHeadDim * 2;
   } else {
-    if (!(e = expect(which, cache, DType::kU8, 2)).empty()) return e + " (fp8_ds_mla caches are uint8 [num_blocks, page_bytes])";
-    page_bytes = fp8_page_bytes(block_size);
+    const char* name = format_name(fmt);
+    if (!(e = expect(which, cache, DType::kU8, 2)).empty())
+      return e + cat(" (", name, " caches are uint8 [num_blocks, page_bytes])");
+    page_bytes = quant_page_bytes(fmt, block_size);
     if (!(e = expect_dims(which, cache, {-1, page_bytes})).empty())
-      return e + cat(" (page_bytes = ceil(", block_size, " * 584 / 576) * 576 for block_size ", block_size, ")");
+      return e + cat(" (", name, " page_bytes = ceil(", block_size, " * ",
+                     token_data_bytes((int32_t)fmt) + token_scale_bytes((int32_t)fmt), " / ", page_align(fmt), ") * ",
+                     page_align(fmt), " for block_size ", block_size, ")");
     num_blocks = cache.dims[0];
   }
   if (!(e = expect(idx_name, idx, DType::kS32, 3)).empty()) return e;
@@ -206,6 +217,10 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
       return e;
     if (!(e = row_lengths("extra_topk_length", etl, b, &p->extra.lengths, &p->extra.lengths_stride)).empty())
       return e;
+    if (v41_format(p->main.fmt) != v41_format(p->extra.fmt))
+      return cat("kv_cache / extra_kv_cache formats: ", format_name(p->main.fmt), " next to ",
+                 format_name(p->extra.fmt),
+                 " is not supported (a decode kernel reads bf16 / fp8_ds_mla pools or mxfp8_ds_mla / nvfp4_ds_mla pools)");
   } else {
     p->extra = p->main;
   }

@@ -611,8 +611,8 @@ DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
   }
 }
 
-// Grid: s_q * num_parts CTAs (one head group), query token fastest.
-template <int R>
+// Grid: s_q * num_parts CTAs (one head group), query token fastest. kFam: the cache formats it reads.
+template <int R, int kFam>
 DEVFN void decode_narrow_cta(const DecodeParams& p, char* smem_raw) {
   static_assert(R == 1 || R == 2, "the narrow CTA serves 16 or 32 rows");
   char* smem = align_smem(smem_raw);
@@ -631,7 +631,7 @@ DEVFN void decode_narrow_cta(const DecodeParams& p, char* smem_raw) {
   if (w >= kNarrowConsumerWarps) {
     setmaxnreg_dec<NarrowCrew::producer_regs>();
     TileCursor cur(p, wk, s);
-    produce_tiles_deep(smem, crew, Pools{&p.main, &p.extra}, w - kNarrowConsumerWarps, lane,
+    produce_tiles_deep(smem, crew, Pools<kFam>{&p.main, &p.extra}, w - kNarrowConsumerWarps, lane,
                        [&]() -> TileSrc { return cur.next(); });
   } else {
     setmaxnreg_inc<NarrowCrew::consumer_regs>();

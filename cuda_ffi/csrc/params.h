@@ -45,10 +45,36 @@ constexpr int kPlanSmemMax = 192 * 1024;                          // its shared 
 constexpr int kPlanFixedOverhead = 5;                             // FlashMLA's per-request overhead (blocks)
 
 // kFmtF16: prefill's kv rows converted to f16 by the JAX wrapper (seesaw.cuh; no conversion in the kernel).
-enum KvFormat : int32_t { kFmtBf16 = 0, kFmtFp8DsMla = 1, kFmtF16 = 2 };
+// The quantized formats (dsv41_jax.kv_cache) are pages of [P x data][P x scales][zero pad].
+enum KvFormat : int32_t { kFmtBf16 = 0, kFmtFp8DsMla = 1, kFmtF16 = 2, kFmtMxfp8DsMla = 3, kFmtNvfp4DsMla = 4 };
 
-constexpr int kFp8TokenData = 576;  // 448 e4m3 + 64 bf16
-constexpr int kFp8TokenScale = 8;   // 7 UE8M0 + 1 pad
+constexpr int kFp8TokenData = 576;    // fp8_ds_mla: 448 e4m3 + 64 bf16
+constexpr int kFp8TokenScale = 8;     // 7 UE8M0 + 1 pad
+constexpr int kMxfp8TokenData = 512;  // mxfp8_ds_mla: 512 e4m3
+constexpr int kMxfp8TokenScale = 16;  // one UE8M0 per 32 dims
+constexpr int kNvfp4TokenData = 256;  // nvfp4_ds_mla: 512 e2m1, dim 2i in the low nibble of byte i
+constexpr int kNvfp4TokenScale = 32;  // one e4m3 per 16 dims
+constexpr int kV41PageAlign = 512;    // mxfp8 / nvfp4 pages are padded to a multiple of this
+
+// Per-token data and scale bytes of a quantized pool format (0 for bf16 / f16 rows).
+#if defined(__CUDACC__)
+#define DSV41_HD __host__ __device__
+#else
+#define DSV41_HD
+#endif
+DSV41_HD constexpr int32_t token_data_bytes(int32_t fmt) {
+  return fmt == kFmtFp8DsMla ? kFp8TokenData : fmt == kFmtMxfp8DsMla ? kMxfp8TokenData
+                                            : fmt == kFmtNvfp4DsMla ? kNvfp4TokenData : 0;
+}
+DSV41_HD constexpr int32_t token_scale_bytes(int32_t fmt) {
+  return fmt == kFmtFp8DsMla ? kFp8TokenScale : fmt == kFmtMxfp8DsMla ? kMxfp8TokenScale
+                                             : fmt == kFmtNvfp4DsMla ? kNvfp4TokenScale : 0;
+}
+DSV41_HD constexpr bool v41_format(int32_t fmt) { return fmt == kFmtMxfp8DsMla || fmt == kFmtNvfp4DsMla; }
+// The format families of the decode kernels: each kernel carries the gather and dequantisation code of one family
+// only (one producer body for three formats spills the one-CTA decode's producer registers).
+constexpr int kFamV4 = 0;   // bf16, fp8_ds_mla
+constexpr int kFamV41 = 1;  // mxfp8_ds_mla, nvfp4_ds_mla
 
 // One token pool read by global slot `block * block_size + offset`.
 struct Pool {
@@ -81,6 +107,10 @@ struct DecodeParams {
   int32_t pair;              // 1: CTAs of head groups 2k, 2k+1 run as a 2-CTA cluster sharing the gather
   int32_t num_slots;         // accumulator slots; a piece whose slot lies past them is never written or read
 };
+// The family of the decode kernel that reads p's pools (make_decode_params refuses a pool of each family).
+DSV41_HD constexpr int decode_family(const DecodeParams& p) {
+  return v41_format(p.main.fmt) || (p.has_extra && v41_format(p.extra.fmt)) ? kFamV41 : kFamV4;
+}
 
 // The decode split planner (dsv41_jax.scheduler.plan_decode_splits, run on the device), one plan.
 struct PlanParams {

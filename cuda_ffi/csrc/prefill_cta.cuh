@@ -28,7 +28,7 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
       tn += tn < ntiles ? 1 : 0;
       return t;
     };
-    produce_tiles(smem, crew, Pools{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
+    produce_tiles(smem, crew, Pools<>{&p.kv, &p.kv}, w - kConsumerWarps, lane, next);
   } else {
     setmaxnreg_inc<crew.consumer_regs>();
     Acc acc;

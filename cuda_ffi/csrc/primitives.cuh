@@ -38,6 +38,11 @@ DEVFN uint4 make_u4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
   r.x = x; r.y = y; r.z = z; r.w = w;
   return r;
 }
+DEVFN uint2 make_u2(uint32_t x, uint32_t y) {
+  uint2 r;
+  r.x = x; r.y = y;
+  return r;
+}
 DEVFN float4 make_f4(float x, float y, float z, float w) {
   float4 r;
   r.x = x; r.y = y; r.z = z; r.w = w;
@@ -271,6 +276,21 @@ DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes) {
   r.y = dec((two_bytes >> 8) & 0xff);
 #endif
   return r;
+}
+
+// Byte permute (prmt.b32, default mode): byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes {a, b}
+// (a's bytes 0..3, b's 4..7); `sel` has no bit 3 set in its four nibbles (the sign-replicating mode).
+DEVFN uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if DSV41_DEVICE
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+#else
+  const uint64_t v = (uint64_t)a | ((uint64_t)b << 32);
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k) r |= (uint32_t)((v >> (8 * ((sel >> (4 * k)) & 7))) & 0xffu) << (8 * k);
+  return r;
+#endif
 }
 
 // Packed f16x2 product, round to nearest even (mul.rn.f16x2).

@@ -3,6 +3,7 @@
 // -I tests/cuda_emulator -I cuda_ffi/csrc emu_main.cc -o libdsv41_emu.so. It runs the device code of
 // the product's kernels (cuda_ffi/csrc/) thread by thread (emu_runtime.h) behind the same argument
 // checks as the FFI handlers (host_params.h).
+#include <type_traits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -43,11 +44,17 @@ int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, 
                                               extra_kv_format, extra_block_size, &p);
   if (!err.empty()) return report("dsv41_sparse_mla_decode: " + err, errbuf, errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q * p.num_parts;
-  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
-                if (p.h_pad == 16) dsv41::decode_narrow_cta<1>(p, smem);
-                else if (p.h_pad == 32) dsv41::decode_narrow_cta<2>(p, smem);
-                else if (p.pair) dsv41::decode_cta<true>(p, smem);
-                else dsv41::decode_cta<false>(p, smem);
+  const auto run = [&p](char* smem, auto fam) {
+    constexpr int kFam = decltype(fam)::value;
+    if (p.h_pad == 16) dsv41::decode_narrow_cta<1, kFam>(p, smem);
+    else if (p.h_pad == 32) dsv41::decode_narrow_cta<2, kFam>(p, smem);
+    else if (p.pair) dsv41::decode_cta<true, kFam>(p, smem);
+    else dsv41::decode_cta<false, kFam>(p, smem);
+  };
+  const bool v41 = dsv41::decode_family(p) == dsv41::kFamV41;
+  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&](char* smem) {
+                if (v41) run(smem, std::integral_constant<int, dsv41::kFamV41>{});
+                else run(smem, std::integral_constant<int, dsv41::kFamV4>{});
               }, seed,
               workers, p.pair ? 2 : 1);
   if (p.num_slots > 1) {

@@ -26,7 +26,10 @@ def main() -> int:
         # h_q = 100: the same pair, its second group of 36 heads (q and the results unpadded)
         ("sanitizer decode (pair, 100 heads)", make_decode_case(9, b=3, s_q=2, h_q=100, topk=200, block_size=61,
                                                                 s_kv=400, fmt="fp8_ds_mla", extra=extra)),
-    ]
+        # the V4.1 kernels (mxfp8_ds_mla main, nvfp4_ds_mla extra): one CTA, a pair, the narrow CTA
+    ] + [(f"sanitizer decode (V4.1, {h} heads)",
+          make_decode_case(11 + h, b=3, s_q=2, h_q=h, topk=200, block_size=61, s_kv=400, fmt="mxfp8_ds_mla",
+                           extra=dict(topk=128, block_size=2, fmt="nvfp4_ds_mla"))) for h in (64, 128, 8)]
     for what, dec in decodes:
         out, lse = jax.block_until_ready(d.sparse_mla_decode(*dec.args(), **dec.kwargs(), impl="cuda"))
         dec.check(out, lse, what)

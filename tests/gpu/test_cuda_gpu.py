@@ -34,6 +34,7 @@ from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call  # n
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
     PREFILL_GRID,
+    V41_DECODE_GRID,
     assert_close,
     make_decode_case,
     make_prefill_case,
@@ -61,7 +62,7 @@ def cuda_library():
 
 def _readable(kw) -> str | None:
     fmts = [kw["fmt"]] + ([kw["extra"]["fmt"]] if kw.get("extra") else [])
-    bad = [f for f in fmts if f not in ("bf16", "fp8_ds_mla")]
+    bad = [f for f in fmts if f not in _ops.FORMAT_CODES]
     return f"the cuda kernels do not read {bad} (impl='auto' falls back to another implementation)" if bad else None
 
 
@@ -317,6 +318,34 @@ def test_f16_saturation_on_device(kv_rows):
 def test_both_dequant_paths_on_device(h_q, tiny):
     case = make_two_scale_decode_case(34, h_q=h_q, tiny=tiny)
     case.check(*sparse_mla_decode(*case.args(), impl="cuda", **case.kwargs()), "cuda decode, two scale ranges")
+
+
+V41_IDS = [n for n, _ in V41_DECODE_GRID]
+
+
+@pytest.mark.parametrize("name", V41_IDS)
+def test_decode_v41_formats(name):
+    # the V4.1 decode kernels (mxfp8_ds_mla / nvfp4_ds_mla producers; params.h kFamV41) in every kernel shape
+    i = V41_IDS.index(name)
+    case = make_decode_case(300 + i, **V41_DECODE_GRID[i][1])
+    case.check(*_decode(case), name)
+
+
+@pytest.mark.parametrize("h_q,tiny", [(64, False), (128, False), (16, True)])
+def test_mxfp8_both_dequant_paths_on_device(h_q, tiny):
+    case = make_two_scale_decode_case(36, h_q=h_q, tiny=tiny, fmt="mxfp8_ds_mla",
+                                      extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla", lengths="full"))
+    case.check(*_decode(case), "cuda decode, mxfp8 two scale ranges")
+
+
+def test_decode_v41_flash_shape_vs_xla():
+    # V4.1-Flash: SWA top-k 128 on pages of 256 (528 B) + compressed top-k 512 on pages of 64 (288 B), h_q 64
+    case = make_decode_case(39, b=16, s_q=2, h_q=64, topk=128, block_size=256, fmt="mxfp8_ds_mla", s_kv=4096,
+                            lengths="var", extra=dict(topk=512, block_size=64, fmt="nvfp4_ds_mla", s_kv=2048))
+    got = _decode(case)
+    case.check(*got, "cuda V4.1-Flash decode")
+    ref = _decode(case, impl="xla")
+    assert_close(got[0], np.asarray(ref[0], np.float64), "decode_out", "cuda vs xla out")
 
 
 def test_lazy_rescaling_on_device(kv_rows):
