@@ -65,12 +65,13 @@ DECODE_CASES = [
     Case("decode_v4_h128_b256", "decode", b=256, s_q=2, h_q=128, topk=128, block_size=256, extra_topk=1024),
     Case("decode_v4_h64_b256", "decode", b=256, s_q=2, h_q=64, topk=128, block_size=256, extra_topk=512),
     Case("decode_v4_h64_b64", "decode", b=64, s_q=2, h_q=64, topk=128, block_size=256, extra_topk=512),
+    Case("decode_v4_h8_b128", "decode", b=128, s_q=2, h_q=8, topk=128, block_size=256, extra_topk=512),  # a TP-8 shard
 ]
 # V4.1's records (528 B mxfp8_ds_mla SWA cache, 288 B nvfp4_ds_mla compressed cache) at the V4 shapes above
 V41_CASES = [
-    Case(f"decode_v41_h{h}_b{b}", "decode", b=b, s_q=2, h_q=h, topk=128, block_size=256, extra_topk=512 * (h // 64),
-         fmt="mxfp8_ds_mla", extra_fmt="nvfp4_ds_mla")
-    for h, b in ((64, 64), (64, 128), (64, 256), (128, 128))
+    Case(f"decode_v41_h{h}_b{b}", "decode", b=b, s_q=2, h_q=h, topk=128, block_size=256,
+         extra_topk=1024 if h == 128 else 512, fmt="mxfp8_ds_mla", extra_fmt="nvfp4_ds_mla")
+    for h, b in ((64, 64), (64, 128), (64, 256), (128, 128), (8, 128))
 ]
 DECODE_CASES += V41_CASES
 PREFILL_CASES = [

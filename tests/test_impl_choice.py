@@ -92,14 +92,21 @@ def test_explain_on_a_gpu_accepts_the_kernels_in_order(gpu):
 
 
 def test_explain_on_a_gpu_lists_the_registry_and_the_kernels_reasons(gpu):
-    choice = _decode(make_decode_case(1, h_q=2, topk=64, fmt="mxfp8_ds_mla", block_size=64))
+    # an mxfp8_ds_mla main cache next to an fp8_ds_mla extra cache: no kernel reads both
+    choice = _decode(make_decode_case(1, h_q=2, topk=64, fmt="mxfp8_ds_mla", block_size=64,
+                                      extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")))
     assert choice.impl == "xla"
     cuda, pallas, _ = choice.candidates
-    # select_backend's rejection of each backend and the kernel's own `supports` answer, in one list
-    assert "FLASHMLA_SPARSE_DSV41: kv_cache_dtype 'mxfp8_ds_mla'" in cuda.reason
-    assert "CUDA_SPARSE_DSV41: kv_cache_dtype 'mxfp8_ds_mla'" in cuda.reason
-    assert "the cuda kernels read kv_format 'bf16' or 'fp8_ds_mla'" in cuda.reason
+    # the kernel's own `supports` answer where the registry accepts (CUDA_SPARSE_DSV41 lists both formats), and
+    # select_backend's rejection of each backend with the kernel's answer where it does not
+    assert "not both in one call (kv_format 'mxfp8_ds_mla', extra_kv_format 'fp8_ds_mla')" in cuda.reason
     assert "PALLAS_SPARSE_DSV41: kv_cache_dtype" in pallas.reason and "the pallas kernels read" in pallas.reason
+
+
+def test_explain_on_a_gpu_takes_the_v41_records_to_cuda(gpu):
+    choice = _decode(make_decode_case(1, h_q=2, topk=64, fmt="mxfp8_ds_mla", block_size=64,
+                                      extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla")))
+    assert choice.impl == "cuda" and "CUDA_SPARSE_DSV41 serves" in choice.candidates[0].reason
 
 
 def test_explain_a_large_cache_without_allocating_it(gpu):

@@ -200,13 +200,14 @@ CUDA_SPARSE_DSV41 = BackendSpec(
     impl="cuda",
     priority=25,
     supported_dtypes=("bfloat16",),
-    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16"),
+    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16", "mxfp8_ds_mla", "nvfp4_ds_mla"),
     supported_head_sizes=(LATENT_DIM,),
     platforms=("cuda",),
     compute_capability_majors=(9, 10),
     kernel_block_sizes=lambda cc: None,
-    notes=("Our CUDA kernels beyond FlashMLA's envelope: bf16 caches, any page size, any head count "
-           "(a decode of 1..32 heads runs unpadded)."),
+    notes=("Our CUDA kernels beyond FlashMLA's envelope: bf16 caches, V4.1's mxfp8_ds_mla / nvfp4_ds_mla records "
+           "on SM90 (run) and SM100 (compiled only), any page size, any head count (a decode of 1..32 heads runs "
+           "unpadded). One decode call reads bf16 / fp8_ds_mla pools or mxfp8_ds_mla / nvfp4_ds_mla pools."),
 )
 
 PALLAS_SPARSE_DSV41 = BackendSpec(
