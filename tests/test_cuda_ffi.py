@@ -615,6 +615,23 @@ def test_emulated_prefill_two_groups_and_seeds(emu, kv_f16):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
+def test_handler_refuses_pools_of_both_families(emu):
+    # the FFI handler's own check (decode_supports keeps such calls away from it): one kernel family per call
+    from cuda_ffi import ops as _ops
+    from tests.cuda_emulator.emulate import run_decode_ffi
+
+    case = make_decode_case(25, fmt="mxfp8_ds_mla", topk=64, h_q=4, extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla"))
+    call = _decode_call(case)
+    args, attrs, results, _ = _ops.prepare_decode(call, _ops.call_plan(call, num_sms=8, planner="jax"))
+    with pytest.raises(ValueError, match="kv_cache / extra_kv_cache formats: mxfp8_ds_mla next to fp8_ds_mla is not "
+                                         "supported"):
+        run_decode_ffi(args, attrs, results)
+    bad = dict(attrs, extra_kv_format=np.int64(4))  # an fp8_ds_mla extra cache named nvfp4_ds_mla: its page size
+    with pytest.raises(ValueError, match=r"extra_kv_cache: expected shape \[\*, 1024\], got \[43, 1728\] \(nvfp4_ds_mla "
+                                         r"page_bytes = ceil\(2 \* 288 / 512\) \* 512 for block_size 2\)"):
+        run_decode_ffi(args, bad, results)
+
+
 def test_handler_checks_name_the_argument(emu):
     from cuda_ffi import ops as _ops
     from tests.cuda_emulator.emulate import run_decode_ffi, run_prefill_ffi
