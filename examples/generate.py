@@ -1,7 +1,8 @@
 """Greedy generation with a DeepSeek-V4.1 model through the paged engine (random weights by default).
 
     python examples/generate.py [--preset tiny] [--platform cpu|gpu] [--requests 4] [--max-new-tokens 32]
-                                [--kv-format bf16|fp8_ds_mla] [--impl auto|xla|pallas|cuda]
+                                [--kv-format bf16|fp8_ds_mla|mxfp8_ds_mla] [--comp-kv-format nvfp4_ds_mla]
+                                [--impl auto|xla|pallas|cuda]
                                 [--weights model.safetensors|checkpoint-dir] [--prefill-chunk 16]
                                 [--max-batched-tokens 32] [--max-model-len 128]
 
@@ -27,7 +28,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=16)
-    ap.add_argument("--kv-format", default="bf16")
+    ap.add_argument("--kv-format", default="bf16", help="the caches' record (bf16, fp8_ds_mla, mxfp8_ds_mla, ...)")
+    ap.add_argument("--comp-kv-format", default=None,
+                    help="the compressed caches' record (default: --kv-format; V4.1: nvfp4_ds_mla)")
     ap.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "cuda"])
     ap.add_argument("--weights", default=None, help="safetensors file or directory in Hugging Face names")
     ap.add_argument("--seed", type=int, default=0)
@@ -54,11 +57,14 @@ def main(argv=None) -> int:
         d.load_safetensors(model, args.weights)
         print(f"loaded weights from {args.weights}")
     engine = d.InferenceEngine(model, d.EngineConfig(
-        max_model_len=args.max_model_len, max_reqs=max(args.requests, 1), kv_format=args.kv_format, impl=args.impl,
+        max_model_len=args.max_model_len, max_reqs=max(args.requests, 1), kv_format=args.kv_format,
+        comp_kv_format=args.comp_kv_format, impl=args.impl,
         prefill_chunk=args.prefill_chunk, max_num_batched_tokens=max(args.max_batched_tokens, args.requests)))
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(5, 40, args.requests)]
-    print(f"{len(prompts)} prompts of lengths {[len(p) for p in prompts]}, {args.kv_format} caches, impl={args.impl}")
+    comp = args.comp_kv_format or args.kv_format
+    print(f"{len(prompts)} prompts of lengths {[len(p) for p in prompts]}, {args.kv_format} caches "
+          f"({comp} compressed), impl={args.impl}")
 
     ws = engine.warmup(compile_threads=args.compile_threads)
     print(f"warm-up: {ws.num_compiled} step shapes compiled in {ws.seconds:.1f} s on {ws.compile_threads} threads "
