@@ -393,14 +393,13 @@ struct NoHook {
 
 // A quantized batch: dequantised and stored row by row (and, in a pair, sent to the peer progressively).
 template <int kFmt, class C, int NV>
-DEVFN void store_quant_batch(char* kbuf, const C& crew, uint32_t rbuf, uint32_t rbar, uint32_t o, int row, int q,
-                             int lane, const BatchT<NV>& bt) {
+DEVFN void store_quant_batch(char* kbuf, uint32_t rbuf, uint32_t rbar, uint32_t o, int row, int q, int lane,
+                             const BatchT<NV>& bt) {
   const int r7 = row & 7;
   const int e0 = row * 128 + (((2 * q) ^ r7) << 4), e1 = row * 128 + (((2 * q + 1) ^ r7) << 4);
   // One warp-uniform test of all scale bytes instead of a (possibly divergent) branch per chunk.
   const bool fast = kFmt == kFmtNvfp4DsMla || ballot(scales_fast<kFmt>(bt, q)) == 0xffffffffu;
   if constexpr (C::ncta == 2) {
-    (void)crew;
     const auto hook = [&](int i, bool stored) {
       const int last = stored ? (i == 7 ? 7 : -1) : i - 1;  // the block this call sends, or none
       if (last < 0) return;
@@ -444,11 +443,11 @@ DEVFN void store_batch(char* smem, const C& crew, int buf, int32_t fmt, uint32_t
   const uint32_t o = (uint32_t)(128 * (sh.base + 8 * b));
   if (kFam == kFamV41 || fmt == kFmtFp8DsMla) {  // warp-uniform; quantized batches are whole (`last`)
     if constexpr (kFam == kFamV4) {
-      store_quant_batch<kFmtFp8DsMla>(kbuf, crew, rbuf, rbar, o, row, q, lane, bt);
+      store_quant_batch<kFmtFp8DsMla, C>(kbuf, rbuf, rbar, o, row, q, lane, bt);
     } else if (fmt == kFmtMxfp8DsMla) {
-      store_quant_batch<kFmtMxfp8DsMla>(kbuf, crew, rbuf, rbar, o, row, q, lane, bt);
+      store_quant_batch<kFmtMxfp8DsMla, C>(kbuf, rbuf, rbar, o, row, q, lane, bt);
     } else {
-      store_quant_batch<kFmtNvfp4DsMla>(kbuf, crew, rbuf, rbar, o, row, q, lane, bt);
+      store_quant_batch<kFmtNvfp4DsMla, C>(kbuf, rbuf, rbar, o, row, q, lane, bt);
     }
     return;
   } else {
