@@ -20,6 +20,7 @@
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
 #   bench-flashmla  python -m benchmarks.sparse_mla --suite flashmla ($FM_CASES, default decode,prefill; $BENCH_IMPLS)
 #   bench-step    python -m benchmarks.sparse_mla --suite step ($STEP_BATCHES, default 64,128)
+#   bench-mega    python -m benchmarks.sparse_mla --suite mega ($MEGA_CASES, default all; $BENCH_IMPLS, default cuda)
 #   flashmla      FlashMLA for measurement only, from the source tarball $FLASHMLA_TGZ (default
 #                 .flashmla/flashmla_src.tgz: FlashMLA + cutlass headers, git-ignored, passed with the device
 #                 tool's `carry`) into /tmp/FlashMLA, SM90 only; a prebuilt extension $FLASHMLA_SO (default
@@ -102,6 +103,8 @@ for s in "${stages[@]}"; do
         ${BENCH_IMPLS:+--impls $BENCH_IMPLS} ${BENCH_FLAGS:-} --out "$OUT/fm" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_flashmla.log" ;;
     bench-step) run timeout 560 $PY -m benchmarks.sparse_mla --suite step --step-batches "${STEP_BATCHES:-64,128}" \
         ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT/step" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_step.log" ;;
+    bench-mega) run timeout 560 $PY -m benchmarks.sparse_mla --suite mega ${MEGA_CASES:+--cases $MEGA_CASES} \
+        --impls "${BENCH_IMPLS:-cuda}" --out "$OUT/mega" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_mega.log" ;;
     flashmla)
       rm -rf /tmp/FlashMLA && tar xzf "${FLASHMLA_TGZ:-.flashmla/flashmla_src.tgz}" -C /tmp
       so="/tmp/FlashMLA/flash_mla/cuda$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"

@@ -4,11 +4,13 @@
                                     [--out bench_out] [--record benchmarks/RESULTS.md] [--breakdown]
     python -m benchmarks.sparse_mla --suite flashmla [--cases decode,prefill,<names>] [--impls cuda]
     python -m benchmarks.sparse_mla --suite step [--step-batches 64,128] [--impls cuda]
+    python -m benchmarks.sparse_mla --suite mega [--cases <names>] [--impls cuda]
 
 Suites: "default" (the cases below); "flashmla" (FlashMLA's own V4 decode and prefill performance cases
 and inputs, `benchmarks/flashmla_cases.py`, each call after an L2 flush; decode over a plan made once and
 reused, as FlashMLA reuses its metadata, and for "cuda" also with the plan made in the call); "step" (one
-V4.1-Flash decode step's attention, `benchmarks/step_attention.py`). `benchmarks/flashmla_compare.py` runs
+V4.1-Flash decode step's attention, `benchmarks/step_attention.py`); "mega" (the fused mega decode against the
+plain decode and the unfused chain, `benchmarks/mega_decode.py`). `benchmarks/flashmla_compare.py` runs
 the flashmla cases beside FlashMLA itself.
 
 Device-side timing with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`: the sum of the
@@ -337,6 +339,27 @@ def _step_suite(args, impls) -> list[dict]:
     return results
 
 
+def _mega_suite(args, impls) -> list[dict]:
+    from benchmarks.mega_decode import MEGA_CASES, run_mega_case
+
+    wanted = set(args.cases.split(","))
+    cases = [c for c in MEGA_CASES if c.name in wanted] or MEGA_CASES
+    timer, _ = _timer(args.timer)
+    results = []
+    for c in cases:
+        for impl in impls:
+            try:
+                r = run_mega_case(c, impl, timer, args.sets, args.iterations)
+            except Exception as e:
+                print(f"{c.name:24s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            results.append(r)
+            print(f"{c.name:24s} {impl:7s} mega {r['mega_us']:9.1f} us  plain decode {r['plain_us']:9.1f} us  "
+                  f"unfused chain {r['chain_us']:9.1f} us  (mega / plain {r['mega_over_plain']:.3f}, chain / mega "
+                  f"{r['chain_over_mega']:.3f})", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impls", default=None, help="comma list (default: every registered implementation)")
@@ -351,7 +374,7 @@ def main(argv=None) -> int:
                     help="auto: CUPTI on GPUs; wall: wall clock (under ncu)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print the CUPTI time of each kernel a call launches (CUPTI timing only)")
-    ap.add_argument("--suite", choices=("default", "flashmla", "step"), default="default")
+    ap.add_argument("--suite", choices=("default", "flashmla", "step", "mega"), default="default")
     ap.add_argument("--step-batches", default="64,128", help="requests of the step suite")
     args = ap.parse_args(argv)
 
@@ -379,7 +402,7 @@ def main(argv=None) -> int:
         if method != "cupti":
             ap.error(f"--suite {args.suite} needs CUPTI timing (a GPU), got {method!r}")
         cases = []
-        results = (_flashmla_suite if args.suite == "flashmla" else _step_suite)(args, impls)
+        results = {"flashmla": _flashmla_suite, "step": _step_suite, "mega": _mega_suite}[args.suite](args, impls)
     for c in cases:
         for impl in impls:
             table = d.attention.decode_impls() if c.op == "decode" else d.attention.prefill_impls()
@@ -407,6 +430,9 @@ def main(argv=None) -> int:
                 if "flops" in r:
                     extra = f" (plan in the call: {r['us_noplan']:.1f} us)" if "us_noplan" in r else ""
                     nums = f"{r['us']:.1f}{extra} | {r['tflops']:.1f} | {r['gbps']:.0f}"
+                elif "mega_us" in r:
+                    nums = (f"{r['mega_us']:.1f} (plain decode {r['plain_us']:.1f}, unfused chain {r['chain_us']:.1f}) "
+                            f"| - | -")
                 else:  # the step suite
                     nums = (f"{r['us']:.1f} (metadata {r['metadata_us']:.1f}, attention {r['attention_us']:.1f}, "
                             f"calls alone {r['calls_us']:.1f}) | - | -")

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from cuda_ffi import build
 from cuda_ffi import ops as _ops
-from cuda_ffi.ops import DECODE_TARGET, PLAN_TARGET, PREFILL_TARGET, decode_supports, prefill_supports
+from cuda_ffi.ops import (DECODE_TARGET, MEGA_DECODE_TARGET, PLAN_TARGET, PREFILL_TARGET, decode_supports,
+                          mega_decode_supports, prefill_supports)
 
 __all__ = [
     "library_path",
@@ -45,10 +46,13 @@ __all__ = [
     "ensure_registered",
     "backend_unavailable_reason",
     "decode",
+    "mega_decode",
     "prefill",
     "decode_supports",
+    "mega_decode_supports",
     "prefill_supports",
     "DECODE_TARGET",
+    "MEGA_DECODE_TARGET",
     "PLAN_TARGET",
     "PREFILL_TARGET",
     "EXPORTED_SYMBOLS",
@@ -57,9 +61,9 @@ __all__ = [
     "refresh",
 ]
 
-ABI_VERSION = 3
-EXPORTED_SYMBOLS = {DECODE_TARGET: "Dsv41SparseMlaDecode", PLAN_TARGET: "Dsv41PlanDecodeSplits",
-                    PREFILL_TARGET: "Dsv41SparseMlaPrefill"}
+ABI_VERSION = 4
+EXPORTED_SYMBOLS = {DECODE_TARGET: "Dsv41SparseMlaDecode", MEGA_DECODE_TARGET: "Dsv41SparseMlaMegaDecode",
+                    PLAN_TARGET: "Dsv41PlanDecodeSplits", PREFILL_TARGET: "Dsv41SparseMlaPrefill"}
 _DEFAULT_LIB = Path(__file__).resolve().parent / "lib" / build.LIB_NAME
 AUTOBUILD_ENV = "DSV41_CUDA_AUTOBUILD"
 _log = logging.getLogger("dsv41_jax.cuda_ffi")
@@ -226,6 +230,11 @@ def backend_unavailable_reason(*, build_missing: bool = True) -> str | None:
 def decode(call):
     """The decode implementation (see `cuda_ffi.ops.decode`)."""
     return _ops.decode(call)
+
+
+def mega_decode(call):
+    """The mega decode implementation (see `cuda_ffi.ops.mega_decode`)."""
+    return _ops.mega_decode(call)
 
 
 def prefill(call):

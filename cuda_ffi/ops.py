@@ -35,11 +35,13 @@ from dsv41_jax.kv_cache import LATENT_DIM, f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import num_sm_parts_for
 
-__all__ = ["DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES", "MAX_PLANS",
-           "decode_supports", "prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "decode",
-           "prefill_kv_f16", "prepare_prefill", "prefill"]
+__all__ = ["DECODE_TARGET", "MEGA_DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES",
+           "MAX_PLANS", "decode_supports", "mega_decode_supports", "prefill_supports", "plan_on_device", "call_plan",
+           "prepare_decode", "prepare_mega_decode", "decode", "mega_decode", "prefill_kv_f16", "prepare_prefill",
+           "prefill"]
 
 DECODE_TARGET = "dsv41_sparse_mla_decode"
+MEGA_DECODE_TARGET = "dsv41_sparse_mla_mega_decode"
 PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
 HEAD_DIM = LATENT_DIM  # the latent width the kernels are built for
@@ -86,6 +88,12 @@ def decode_supports(call) -> str | None:
         return (f"the cuda kernels read bf16 / fp8_ds_mla pools or mxfp8_ds_mla / nvfp4_ds_mla pools, not both in one "
                 f"call (kv_format {call.kv_format!r}, extra_kv_format {call.extra_kv_format!r})")
     return None
+
+
+def mega_decode_supports(call) -> str | None:
+    """None if the CUDA mega decode runs this `MegaDecodeCall` (the decode kernels with the mega prologue and
+    epilogue: whatever `decode_supports` accepts)."""
+    return decode_supports(call.decode)
 
 
 def prefill_supports(call) -> str | None:
@@ -217,6 +225,34 @@ def prepare_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
     return args, attrs, results, dict(h_q=h_q, num_parts=parts)
 
 
+def prepare_mega_decode(call, plan: DecodePlan) -> tuple[tuple, dict, tuple, dict]:
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) of a checked `MegaDecodeCall` over `plan`: the decode's,
+    plus positions [T, 1] and the cos / sin table as arguments, the e4m3 output as uint8 bytes, its exponents, and
+    accumulators of b + num_parts slots whatever the plan (the combine finishes some kernels' requests of one piece
+    too: csrc/mega.cuh)."""
+    dcall = call.decode
+    args, attrs, results, info = prepare_decode(dcall, plan)
+    b, s_q, h_q, _ = dcall.q.shape
+    slots = b + plan.tile_scheduler_metadata.shape[0]
+    args = args + (call.positions.reshape(b, s_q), call.cos_sin_cache)
+    attrs = dict(attrs, batch_invariant=np.int64(1 if plan.batch_invariant else 0))
+    results = (
+        jax.ShapeDtypeStruct((b, s_q, h_q, HEAD_DIM), jnp.uint8),
+        jax.ShapeDtypeStruct((b, s_q, h_q, HEAD_DIM // 32), jnp.uint8),
+        results[1],
+        jax.ShapeDtypeStruct((slots, s_q, h_q, HEAD_DIM), jnp.float32),
+        jax.ShapeDtypeStruct((slots, s_q, h_q), jnp.float32),
+    )
+    return args, attrs, results, info
+
+
+def finish_mega(out_bytes: jax.Array, out_scale: jax.Array, lse: jax.Array):
+    """The mega decode's results from the FFI's: `(out e4m3 [T, h_q, 512], out_scale uint8 [T, h_q, 16],
+    lse [T, h_q])`."""
+    out = jax.lax.bitcast_convert_type(out_bytes[:, 0], jnp.float8_e4m3fn)
+    return out, out_scale[:, 0], lse[:, 0]
+
+
 def _empty_decode(call):
     b, s_q, h_q, d = call.q.shape
     return jnp.zeros((b, s_q, h_q, d), jnp.bfloat16), jnp.full((b, s_q, h_q), jnp.inf, jnp.float32)
@@ -239,6 +275,24 @@ def decode(call, *, planner: str = "device", num_sms: int | None = None) -> tupl
 
 
 # ------------------------------------------------------------------------------ prefill
+def mega_decode(call, *, planner: str = "device", num_sms: int | None = None):
+    """`impl="cuda"` mega decode of a checked `MegaDecodeCall`: `(out e4m3, out_scale, lse)` like the xla
+    reference (`dsv41_jax.sparse_mla.reference.mega_decode`), over `call_plan(call.decode, ...)`."""
+    from cuda_ffi import ensure_registered
+
+    dcall = call.decode
+    _check_decode(dcall)
+    T, _, h_q, d = dcall.q.shape
+    if T == 0:
+        return (jnp.zeros((0, h_q, d), jnp.float8_e4m3fn), jnp.zeros((0, h_q, d // 32), jnp.uint8),
+                jnp.zeros((0, h_q), jnp.float32))
+    plan = call_plan(dcall, num_sms=num_sms, planner=planner)
+    args, attrs, results, _ = prepare_mega_decode(call, plan)
+    ensure_registered()
+    out, scale, lse, _, _ = jax.ffi.ffi_call(MEGA_DECODE_TARGET, results)(*args, **attrs)
+    return finish_mega(out, scale, lse)
+
+
 def prefill_kv_f16(s_kv: int, s_q: int, topk_pad: int, num_groups: int) -> bool:
     """Whether the wrapper converts prefill's bf16 kv to f16 before the kernel (the f16-row kernel,
     seesaw.cuh, copies rows with cp.async and splits the tensor work evenly between its consumers):

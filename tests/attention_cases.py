@@ -258,6 +258,107 @@ def make_decode_case(
     return case
 
 
+# ------------------------------------------------------------------------- mega decode cases
+@dataclasses.dataclass
+class MegaCase:
+    """A `sparse_mla_mega_decode` case: `base` is a decode case of T requests of one query token (its q NOT roped),
+    positions int32 [T] (some past the table, which the ops clamp), cos_sin_cache f32 [max_pos, 64]."""
+
+    base: DecodeCase
+    positions: jnp.ndarray
+    cos_sin_cache: jnp.ndarray
+
+    def args(self):
+        c = self.base
+        return (c.q[:, 0], self.positions, self.cos_sin_cache, c.kv_cache, c.indices[:, 0], c.topk_length)
+
+    def kwargs(self):
+        c = self.base
+        kw = dict(kv_format=c.kv_format, block_size=c.block_size, softmax_scale=c.softmax_scale, attn_sink=c.attn_sink)
+        if c.extra_kv_cache is not None:
+            kw.update(extra_kv_cache=c.extra_kv_cache, extra_indices=c.extra_indices[:, 0],
+                      extra_topk_length=c.extra_topk_length, extra_kv_format=c.extra_kv_format,
+                      extra_block_size=c.extra_block_size)
+        return kw
+
+    def expected(self):
+        """float64 oracle: (out [T, h, 512] after the inverse RoPE, before quantisation; lse [T, h])."""
+        c = self.base
+        cs = np.asarray(self.cos_sin_cache, np.float64)
+        pn = np.clip(np.asarray(self.positions), 0, cs.shape[0] - 1)
+        cos, sin = cs[pn, :32][:, None], cs[pn, 32:][:, None]
+        q = _f64(c.q[:, 0])
+        a, b = q[..., 448::2].copy(), q[..., 449::2].copy()
+        q[..., 448::2], q[..., 449::2] = a * cos - b * sin, a * sin + b * cos
+        q = _f64(jnp.asarray(q, jnp.bfloat16))  # q is roped in bf16
+        pools = [(dequantized_table(c.kv_cache, c.kv_format, c.block_size), np.asarray(c.indices[:, 0]),
+                  np.clip(np.asarray(c.topk_length), 0, c.indices.shape[2]))]
+        if c.extra_kv_cache is not None:
+            pools.append((dequantized_table(c.extra_kv_cache, c.extra_kv_format, c.extra_block_size),
+                          np.asarray(c.extra_indices[:, 0]),
+                          np.clip(np.asarray(c.extra_topk_length), 0, c.extra_indices.shape[2])))
+        sink = None if c.attn_sink is None else np.asarray(c.attn_sink, np.float64)
+        out, _, lse = oracle_rows(q, pools, c.softmax_scale, sink)
+        a, b = out[..., 448::2].copy(), out[..., 449::2].copy()
+        out[..., 448::2], out[..., 449::2] = a * cos + b * sin, -a * sin + b * cos
+        return out, lse
+
+
+def make_mega_case(seed: int, *, b: int = 4, max_pos: int = 512, **kw) -> MegaCase:
+    """`make_decode_case(seed, b=b, s_q=1, **kw)` with positions in [0, max_pos + 40) (past the table: clamped)
+    and a YaRN-free table of theta 160000."""
+    from dsv41_jax.rope import cos_sin_cache
+
+    base = make_decode_case(seed, b=b, s_q=1, **kw)
+    pos = np.random.default_rng(seed + 1000).integers(0, max_pos + 40, size=b)
+    return MegaCase(base, jnp.asarray(pos, jnp.int32), cos_sin_cache(max_pos, theta=160000.0))
+
+
+def dequantize_mega_out(out, out_scale) -> np.ndarray:
+    """float64 values of a mega output: e4m3 x 2^(exponent - 127) per 32 dims."""
+    return _f64(jnp.asarray(out).astype(jnp.float32)) * np.repeat(2.0 ** (_f64(out_scale) - 127), 32, axis=-1)
+
+
+def assert_mega_close(out, out_scale, lse, expected, what: str = "") -> None:
+    """A mega output against the float64 oracle: each dequantised value within e4m3's rounding (2^-4 of |x|, plus half
+    the group's subnormal step) of the exact one, widened by FlashMLA's decode tolerance; every exponent the rule's
+    for the exact group maximum, or one off where rounding moves that maximum across a power of two; lse with
+    FlashMLA's tolerance."""
+    e_out, e_lse = expected
+    assert out.dtype == jnp.float8_e4m3fn and out.shape == e_out.shape, f"{what}: out {out.dtype} {out.shape}"
+    assert out_scale.dtype == jnp.uint8 and out_scale.shape == e_out.shape[:-1] + (16,), f"{what}: {out_scale.shape}"
+    deq = dequantize_mega_out(out, out_scale)
+    assert np.isfinite(deq).all(), f"{what}: non-finite output values"
+    step = np.repeat(2.0 ** (_f64(out_scale) - 127), 32, axis=-1)
+    abs_tol, rel_tol = TOL["decode_out"]
+    bound = np.abs(e_out) * (2.0**-4 + rel_tol) + step * 2.0**-10 + abs_tol
+    bad = np.abs(deq - e_out) > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} values out of bound; first at "
+                           f"{np.argwhere(bad)[0].tolist()}: {deq[bad][0]} vs {e_out[bad][0]}")
+    amax = np.abs(e_out).reshape(e_out.shape[:-1] + (16, 32)).max(-1)
+    rule = np.ceil(np.log2(np.maximum(amax, 1e-4) / 448.0))
+    got = _f64(out_scale) - 127
+    assert (np.abs(got - rule) <= 1).all() and (got == rule).mean() > 0.97, f"{what}: exponents off the rule"
+    assert_close(lse, e_lse, "decode_lse", what)
+
+
+MEGA_DECODE_GRID = [
+    ("mx_nv_h64", dict(fmt="mxfp8_ds_mla", block_size=256, topk=128, s_kv=400, h_q=64, b=6, sink="inf",
+                       extra=dict(topk=192, block_size=64, fmt="nvfp4_ds_mla", lengths="var"))),
+    ("mx_nv_h128_pair", dict(fmt="mxfp8_ds_mla", block_size=61, topk=128, s_kv=300, h_q=128, b=4,
+                             extra=dict(topk=256, block_size=2, fmt="nvfp4_ds_mla", lengths="full"))),
+    ("fp8_fp8_h100", dict(fmt="fp8_ds_mla", block_size=64, topk=64, h_q=100, b=3, invalid_frac=0.3,
+                          extra=dict(topk=128, block_size=69, fmt="fp8_ds_mla"))),
+    ("bf16_h8_narrow", dict(fmt="bf16", block_size=32, topk=128, h_q=8, b=5, sink="inf")),
+    ("mx_nv_h24_narrow", dict(fmt="mxfp8_ds_mla", block_size=576, topk=64, s_kv=700, h_q=24,
+                              extra=dict(topk=128, block_size=32, fmt="nvfp4_ds_mla"))),
+    ("mx_nv_h3_zero", dict(fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=3, lengths="zero",
+                           extra=dict(topk=64, block_size=64, fmt="nvfp4_ds_mla", lengths="zero"))),
+    ("mx_nv_all_invalid_row", dict(fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=64, b=4, all_invalid_row=True,
+                                   extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla"))),
+]
+
+
 # ----------------------------------------------------------------------------- prefill cases
 @dataclasses.dataclass
 class PrefillCase:

@@ -80,10 +80,23 @@ def test_benchmark_suites_need_cupti(capsys):
 
     from benchmarks import sparse_mla
 
-    for suite in ("flashmla", "step"):
+    for suite in ("flashmla", "step", "mega"):
         with pytest.raises(SystemExit):
             sparse_mla.main(["--suite", suite, "--impls", "xla"])
         assert "needs CUPTI timing" in capsys.readouterr().err
+
+
+def test_mega_benchmark_times_the_three_ways_on_one_input():
+    # the mega suite's case runner on a small case with the wall clock (CPU): every way runs and is timed
+    from benchmarks import mega_decode, sparse_mla
+
+    case = mega_decode.MegaCase("tiny", tokens=3, h_q=4, topk=64, block_size=64, extra_topk=64, extra_block_size=2,
+                                s_kv=128, max_pos=256)
+    timer, method = sparse_mla._timer("wall")
+    r = mega_decode.run_mega_case(case, "xla", timer, sets=1, iterations=1)
+    assert method == "wallclock" and r["samples"] == 1
+    assert all(r[k] > 0 for k in ("mega_us", "plain_us", "chain_us"))
+    assert r["mega_over_plain"] == r["mega_us"] / r["plain_us"]
 
 
 def test_gather_ceiling_rows_hold_the_attended_records():

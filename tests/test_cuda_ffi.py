@@ -44,9 +44,13 @@ from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
 from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call, make_prefill_call as _make_prefill_call
 from tests.attention_cases import (
     DECODE_GRID,
+    MEGA_DECODE_GRID,
     PREFILL_GRID,
     V41_DECODE_GRID,
+    MegaCase,
     assert_close,
+    assert_mega_close,
+    make_mega_case,
     make_decode_case,
     make_prefill_case,
     make_growing_scores_prefill_case,
@@ -916,6 +920,160 @@ for seed in (1, 2, 3):
     case.check(*E.decode_emulated(_decode_call(case), num_sms=4, seed=seed), "planted")
 print("PLANT-OK")
 '''
+
+
+# ------------------------------------------------------------------------------ the mega decode (emulated)
+def _mega_call(case: MegaCase, **kw):
+    from dsv41_jax.sparse_mla.base import make_mega_decode_call
+
+    q, pos, cs, kv, idx, tl = case.args()
+    k = dict(case.kwargs(), **kw)
+    return make_mega_decode_call(q, pos, cs, kv, idx, tl, k["kv_format"], k["block_size"], k["softmax_scale"],
+                                 k["attn_sink"], k.get("extra_kv_cache"), k.get("extra_indices"),
+                                 k.get("extra_topk_length"), k.get("extra_kv_format"), k.get("extra_block_size"),
+                                 k.get("plan"), k.get("batch_invariant"))
+
+
+MEGA_IDS = [n for n, _ in MEGA_DECODE_GRID]
+
+
+# num_sms 132: requests split into pieces (the combine's mega stage); 3: most requests one piece (the staged
+# epilogue's, and in the narrow CTA the combine's for every request)
+@pytest.mark.parametrize("num_sms", [132, 3])
+@pytest.mark.parametrize("name", MEGA_IDS)
+def test_emulated_mega_decode_grid(emu, name, num_sms):
+    from tests.cuda_emulator.emulate import mega_decode_emulated
+
+    i = MEGA_IDS.index(name)
+    case = make_mega_case(400 + i, **MEGA_DECODE_GRID[i][1])
+    out, scale, lse = mega_decode_emulated(_mega_call(case), num_sms=num_sms)
+    assert_mega_close(out, scale, lse, case.expected(), f"emulated mega decode {name}")
+
+
+@pytest.mark.parametrize("h_q,num_sms", [(64, 3), (24, 132)])
+def test_emulated_mega_decode_mma_sync_consumers(emu_mma_sync, h_q, num_sms):
+    # the sm_100a build: no staged epilogue, the combine finishes every request
+    from tests.cuda_emulator.emulate import mega_decode_emulated
+
+    case = make_mega_case(420, b=4, h_q=h_q, topk=128, block_size=64, fmt="mxfp8_ds_mla",
+                          extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla"))
+    out, scale, lse = mega_decode_emulated(_mega_call(case), num_sms=num_sms, consumer="mma_sync")
+    assert_mega_close(out, scale, lse, case.expected(), "emulated mega decode (mma.sync)")
+
+
+def _e4m3_exact(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The output stage's exact result for float32 x [..., 512]: (e4m3 bytes, exponent bytes)."""
+    import ml_dtypes
+
+    g = x.reshape(x.shape[:-1] + (16, 32)).astype(np.float64)
+    a = np.maximum(np.abs(g).max(-1), np.float64(np.float32(1e-4)))
+    e = np.ceil(np.log2(a / 448.0))  # exact in float64 for these float32 inputs
+    v = np.clip(g * 2.0 ** -e[..., None], -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return v.reshape(x.shape).view(np.uint8), (e + 127).astype(np.uint8)
+
+
+@pytest.mark.parametrize("h_q,num_sms", [(64, 3), (64, 132), (128, 3), (8, 3)])
+def test_emulated_mega_output_stage_is_exact(emu, h_q, num_sms):
+    # Each query attends to one token with no sink, so the attention output is that token's f16 row exactly; the
+    # inverse RoPE (a c + b s, b c - a s in float32) and the quantisation (the exact exponent rule, e4m3 round to
+    # nearest even) must then give these bytes exactly, wherever the output stage runs (staged epilogue, combine).
+    from tests.cuda_emulator.emulate import mega_decode_emulated
+
+    case = make_mega_case(421, b=6, h_q=h_q, topk=64, block_size=64, fmt="mxfp8_ds_mla", lengths=np.ones(6, int),
+                          invalid_frac=0.0, sink="none")
+    c = case.base
+    rows = np.asarray(kv_cache.gather(c.kv_cache, c.indices[:, 0, 0], kv_format=c.kv_format,
+                                      block_size=c.block_size)).astype(np.float32)  # [T, 512]
+    cs = np.asarray(case.cos_sin_cache)
+    pos = np.clip(np.asarray(case.positions), 0, cs.shape[0] - 1)
+    cos, sin = cs[pos, :32], cs[pos, 32:]
+    a, b = rows[:, 448::2].copy(), rows[:, 449::2].copy()
+    rows[:, 448::2] = a * cos + b * sin
+    rows[:, 449::2] = b * cos - a * sin
+    want_v, want_e = _e4m3_exact(rows)
+    out, scale, _ = mega_decode_emulated(_mega_call(case), num_sms=num_sms)
+    got_v = np.asarray(out).view(np.uint8)
+    for h in (0, h_q - 1):
+        np.testing.assert_array_equal(np.asarray(scale)[:, h], want_e)
+        # (as values: a -0 accumulates to +0)
+        np.testing.assert_array_equal(got_v[:, h].view(jnp.float8_e4m3fn).astype(np.float32),
+                                      want_v.view(jnp.float8_e4m3fn).astype(np.float32))
+
+
+def test_emulated_mega_decode_batch_invariant(emu):
+    # batch_invariant: request 0's bytes do not depend on the requests beside it
+    from tests.cuda_emulator.emulate import mega_decode_emulated
+
+    case = make_mega_case(422, b=5, h_q=64, topk=128, block_size=64, fmt="mxfp8_ds_mla",
+                          extra=dict(topk=192, block_size=2, fmt="nvfp4_ds_mla"))
+    whole = mega_decode_emulated(_mega_call(case, batch_invariant=True), num_sms=132)
+    c = case.base
+    one_base = dataclasses.replace(c, q=c.q[:1], indices=c.indices[:1], topk_length=c.topk_length[:1],
+                                   extra_indices=c.extra_indices[:1], extra_topk_length=c.extra_topk_length[:1])
+    one = mega_decode_emulated(_mega_call(MegaCase(one_base, case.positions[:1], case.cos_sin_cache),
+                                          batch_invariant=True), num_sms=132)
+    for x, y in zip(whole, one):
+        np.testing.assert_array_equal(np.asarray(x)[:1].view(np.uint8), np.asarray(y).view(np.uint8))
+    assert_mega_close(*whole, case.expected(), "batch-invariant mega decode")
+
+
+def test_emulated_mega_decode_over_a_stale_plan(emu):
+    # a plan made for longer requests than the call's: the outputs stay finite and correct for the call's lengths
+    from tests.cuda_emulator.emulate import mega_decode_emulated
+
+    case = make_mega_case(423, b=6, h_q=64, topk=128, block_size=64, fmt="mxfp8_ds_mla",
+                          extra=dict(topk=128, block_size=2, fmt="nvfp4_ds_mla"))
+    c = case.base
+    plan = make_decode_plan(jnp.full((6,), 128, jnp.int32), topk=128, s_q=1, num_heads=64, num_sms=132,
+                            extra_topk_length=jnp.full((6,), 128, jnp.int32), extra_topk=128)
+    assert bool(plan_is_stale(plan, c.topk_length, c.extra_topk_length))
+    out, scale, lse = mega_decode_emulated(_mega_call(case, plan=plan), num_sms=132)
+    assert_mega_close(out, scale, lse, case.expected(), "mega decode over a stale plan")
+
+
+def test_mega_supports_refuses_pools_of_both_families():
+    from cuda_ffi import ops as _ops
+
+    case = make_mega_case(424, fmt="mxfp8_ds_mla", topk=64, h_q=4, extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla"))
+    assert "not both in one call" in _ops.mega_decode_supports(_mega_call(case))
+
+
+def test_mega_handler_checks_name_the_argument(emu):
+    from cuda_ffi import ops as _ops
+    from tests.cuda_emulator.emulate import run_mega_decode_ffi
+
+    case = make_mega_case(425, fmt="mxfp8_ds_mla", topk=64, h_q=4)
+    call = _mega_call(case)
+    args, attrs, results, _ = _ops.prepare_mega_decode(call, _ops.call_plan(call.decode, num_sms=8, planner="jax"))
+    bad = list(args)
+    bad[10] = bad[10][:2]
+    with pytest.raises(ValueError, match=r"dsv41_sparse_mla_mega_decode: positions: expected shape \[4, 1\], got \[2, 1\]"):
+        run_mega_decode_ffi(bad, attrs, results)
+    bad = list(args)
+    bad[11] = bad[11][:, :32]
+    with pytest.raises(ValueError, match=r"cos_sin_cache: expected shape \[\*, 64\], got \[512, 32\]"):
+        run_mega_decode_ffi(bad, attrs, results)
+    wrong = list(results)
+    wrong[3] = jax.ShapeDtypeStruct((1,) + results[3].shape[1:], jnp.float32)
+    wrong[4] = jax.ShapeDtypeStruct((1,) + results[4].shape[1:], jnp.float32)
+    with pytest.raises(ValueError, match=r"o_accum: expected \d+ slots \(b \+ num_parts; a mega decode\)"):
+        run_mega_decode_ffi(args, attrs, wrong)
+    wrong = list(results)
+    wrong[1] = jax.ShapeDtypeStruct(results[1].shape[:-1] + (8,), jnp.uint8)
+    with pytest.raises(ValueError, match=r"out_scale: expected shape \[4, 1, 4, 16\]"):
+        run_mega_decode_ffi(args, attrs, wrong)
+
+
+def test_mega_decode_lowers_to_custom_call(cuda_lib):
+    from dsv41_jax import sparse_mla_mega_decode
+
+    case = make_mega_case(426, fmt="mxfp8_ds_mla", topk=128, block_size=64, h_q=64, b=3,
+                          extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla"))
+    traced = jax.jit(lambda *a: sparse_mla_mega_decode(*a, impl="cuda", **case.kwargs())).trace(*case.args())
+    assert [(tuple(o.shape), o.dtype) for o in traced.out_info] == [
+        ((3, 64, 512), jnp.float8_e4m3fn), ((3, 64, 16), jnp.uint8), ((3, 64), jnp.float32)]
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "dsv41_sparse_mla_mega_decode" in text and "dsv41_sparse_mla_decode\"" not in text
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import dsv41_jax as d
 from dsv41_jax import kv_cache
 from dsv41_jax.device import DeviceInfo
 from dsv41_jax.sparse_mla import api, base
-from tests.attention_cases import make_decode_case, make_prefill_case
+from tests.attention_cases import make_decode_case, make_mega_case, make_prefill_case
 
 H200 = DeviceInfo("cuda", (9, 0), 132)
 
@@ -40,6 +40,7 @@ def gpu(monkeypatch):
     # the cuda implementation as it is when its library exists; it never runs here
     monkeypatch.setattr(cuda_ffi, "installed", lambda: True)
     monkeypatch.setattr(cuda_ffi, "decode", lambda c: None)
+    monkeypatch.setattr(cuda_ffi, "mega_decode", lambda c: None)
     monkeypatch.setattr(cuda_ffi, "prefill", lambda c: None)
 
     def set_probes(cuda=None, pallas=None):
@@ -131,10 +132,35 @@ def test_explain_a_large_cache_without_allocating_it(gpu):
     assert choice.candidates[1].accepted
 
 
+def test_mega_decode_runs_the_cuda_kernels_on_hopper_and_the_reference_elsewhere(gpu):
+    case = make_mega_case(3, h_q=8, topk=64, fmt="mxfp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla"))
+    choice = d.explain_impl(d.sparse_mla_mega_decode, *case.args(), **case.kwargs())
+    assert choice.op == "sparse_mla_mega_decode" and choice.impl == "cuda", choice
+    pallas = choice.candidates[1]
+    assert not pallas.accepted and "does not serve the mega interface" in pallas.reason
+    assert "has no sparse_mla_mega_decode kernel" in pallas.reason
+    with pytest.raises(ValueError, match="impl='pallas' does not support this call: .*has no sparse_mla_mega_decode"):
+        d.sparse_mla_mega_decode(*case.args(), **case.kwargs(), impl="pallas")
+    # pools of both format families: the cuda kernels refuse the call, the reference runs it
+    mixed = make_mega_case(4, h_q=8, topk=64, fmt="mxfp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla"))
+    choice = d.explain_impl("sparse_mla_mega_decode", *mixed.args(), **mixed.kwargs())
+    assert choice.impl == "xla" and "not both in one call" in choice.candidates[0].reason
+
+
+def test_mega_decode_on_cpu_is_the_reference():
+    case = make_mega_case(5, h_q=4, topk=64, fmt="mxfp8_ds_mla")
+    choice = d.explain_impl(d.sparse_mla_mega_decode, *case.args(), **case.kwargs())
+    assert choice.impl == "xla" and not choice.candidates[0].accepted
+    auto = d.sparse_mla_mega_decode(*case.args(), **case.kwargs())
+    ref = d.sparse_mla_mega_decode(*case.args(), **case.kwargs(), impl="xla")
+    for a, b in zip(auto, ref):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_explain_argument_errors():
     case = make_decode_case(1, h_q=2, topk=64)
     with pytest.raises(ValueError, match="op must be"):
-        d.explain_impl("mega_decode", *case.args(), **case.kwargs())
+        d.explain_impl("mega", *case.args(), **case.kwargs())
     with pytest.raises(ValueError, match="op must be"):
         d.explain_impl(np.zeros(3))
     with pytest.raises(TypeError, match="kv_format"):

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "mega.cuh"
 
 namespace dsv41 {
 
@@ -24,6 +25,30 @@ DEVFN float warp_sum(float v) {
   return v;
 }
 
+// The mega output of one head row from the combine's layout (lane: dims 128j + 4 lane + 0..3): the inverse RoPE
+// of dims 448..511 (j = 3, lanes 16..31), per 32-dim group (lanes 8k..8k + 7 of one j) the UE8M0 exponent and
+// the e4m3 values (mega.cuh).
+DEVFN void store_mega_row(float (&acc)[4][4], int lane, uint8_t* out, uint8_t* scale, const float* cs) {
+  if (lane >= (kNopeDim - 384) / 4) {
+    const int i = 2 * (lane - (kNopeDim - 384) / 4);
+    unrope_pair(acc[3][0], acc[3][1], cs, i);
+    unrope_pair(acc[3][2], acc[3][3], cs, i + 1);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float amax = fmaxf(fmaxf(fabsf(acc[j][0]), fabsf(acc[j][1])), fmaxf(fabsf(acc[j][2]), fabsf(acc[j][3])));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, shfl_xor_f32(amax, o));
+    const int e = out_exponent(amax);
+    const float inv = out_inv_scale(e);
+    *reinterpret_cast<uint32_t*>(out + 128 * j + 4 * lane) =
+        pack_e4m3x2(acc[j][0] * inv, acc[j][1] * inv) | (pack_e4m3x2(acc[j][2] * inv, acc[j][3] * inv) << 16);
+    if ((lane & 7) == 0) scale[4 * j + (lane >> 3)] = (uint8_t)out_scale_byte(e);
+  }
+}
+
+// The combine runs for requests of more than one piece and, in a mega decode whose kernel has no staged
+// epilogue (mega_via_combine), for every request: it then writes the output of each one.
 DEVFN void combine_cta(const DecodeParams& p) {
   const int hgroups = (p.h_q + 7) / 8;
   const int64_t bid = block_idx();
@@ -33,9 +58,11 @@ DEVFN void combine_cta(const DecodeParams& p) {
   const int req = (int)(rest / p.s_q);
   const int first = p.num_splits[req];
   int n = p.num_splits[req + 1] - first;
-  if (n <= 1) return;
+  const bool every = mega_via_combine(p);
+  if (n <= 1 && !every) return;
   if (first < 0 || first >= p.num_slots) n = 0;
   if (n > p.num_slots - first) n = p.num_slots - first;
+  if (n < 0) n = 0;
   const int head = hg * 8 + warp_idx();
   if (head >= p.h_q) return;
   const int lane = lane_idx();
@@ -46,6 +73,17 @@ DEVFN void combine_cta(const DecodeParams& p) {
   float m = -finf();
   for (int i = lane; i < n; i += 32) m = fmaxf(m, la[i * stride]);
   m = warp_max(m);
+  if (m == -finf() && p.mega) {  // out 0 (quantised: e4m3 zeros, the exponent of an all-zero group), lse +inf
+    float zero[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) zero[j][e] = 0.f;
+    store_mega_row(zero, lane, p.out_fp8 + orow * kHeadDim, p.out_scale + orow * kOutScales,
+                   mega_cs_row(p, (int64_t)req * p.s_q + s));
+    if (lane == 0) p.lse[orow] = finf();
+    return;
+  }
   if (m == -finf()) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -104,11 +142,16 @@ DEVFN void combine_cta(const DecodeParams& p) {
       }
     }
   }
+  if (p.mega) {
+    store_mega_row(acc, lane, p.out_fp8 + orow * kHeadDim, p.out_scale + orow * kOutScales,
+                   mega_cs_row(p, (int64_t)req * p.s_q + s));
+  } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t* o = reinterpret_cast<uint32_t*>(out + 4 * lane + 128 * j);
-    o[0] = pack_bf16x2(acc[j][0], acc[j][1]);
-    o[1] = pack_bf16x2(acc[j][2], acc[j][3]);
+    for (int j = 0; j < 4; ++j) {
+      uint32_t* o = reinterpret_cast<uint32_t*>(out + 4 * lane + 128 * j);
+      o[0] = pack_bf16x2(acc[j][0], acc[j][1]);
+      o[1] = pack_bf16x2(acc[j][2], acc[j][3]);
+    }
   }
   if (lane == 0) p.lse[orow] = gl * kLn2;
 }

@@ -2,6 +2,7 @@
 // mma.sync) and the epilogues (final and split).
 #pragma once
 
+#include "mega.cuh"
 #include "producer.cuh"
 
 namespace dsv41 {
@@ -39,8 +40,11 @@ DEVFN void acc_reset(Acc& a) {
 // into the swizzled tile layout; rows from `rows` on (a last group of fewer than 64 heads) are zero, never read.
 // Called by all 256 consumer threads; ends with the consumer barrier.
 // kRound: loads in flight per thread (16: one latency instead of two, for callers with the registers free).
+// cs: the mega decode's cos / sin row (mega.cuh), whose RoPE the chunks of dims 448..511 get; nullptr: q is roped.
 template <int kRound = 8>
-DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta) {
+DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta, const float* cs = nullptr) {
+  const int chunk = ct & 63;  // (the same chunk of every row this thread loads)
+  const bool rope = cs != nullptr && chunk >= kNopeDim / 8;
 #pragma unroll
   for (int i0 = 0; i0 < 16; i0 += kRound) {
     uint4 v[kRound];
@@ -52,6 +56,7 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta
 #pragma unroll
     for (int i = 0; i < kRound; ++i) {
       const int c = ct + kConsumerThreads * (i0 + i);
+      if (rope) v[i] = rope_q_chunk(v[i], cs, chunk - kNopeDim / 8);
       *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
     }
   }
@@ -574,6 +579,63 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
       *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =
           *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));
   }
+  if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
+}
+
+// The mega decode's final epilogue in the layout of write_final_staged: O * factor in f32, the inverse RoPE of dims
+// 448..511 (warpgroup 1's n = 24..31) with the row's cos / sin `cs`, then per 32-dim group (4 n-blocks of a
+// quad: max by two shuffles) the UE8M0 exponent and the e4m3 values (mega.cuh). Staged in the Q region as
+// [64][512 B] (16-byte chunk c of row r at c ^ (r & 7)) and [64][16 B] of exponents, then stored with coalesced
+// 16-byte writes: out_fp8 / out_scale point at this CTA's head 0. lse as write_final; rows from `rows` on are
+// neither written nor their sink read. kBarAfter: as write_final_staged.
+template <bool kBarAfter>
+DEVFN void write_final_mega_staged(char* smem, const Acc& acc, int w, int lane, uint8_t* out_fp8, uint8_t* out_scale,
+                                   float* lse0, const float* sink0, const float* cs, int rows = kHeadsPerCta) {
+  const int g = lane >> 2, t = lane & 3, th = w >> 2;
+  char* stage = smem + kSmemQ;
+  char* sstage = stage + kHeadsPerCta * kHeadDim;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = o_row(w, 0, g) + 8 * hr;
+    const FinalRow fr = final_row(smem, r, r < rows ? sink0 : nullptr);
+#pragma unroll
+    for (int grp = 0; grp < 8; ++grp) {
+      float v[4][2];
+      float amax = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int n = 4 * grp + k;
+        v[k][0] = acc.o[n][2 * hr] * fr.factor;
+        v[k][1] = acc.o[n][2 * hr + 1] * fr.factor;
+        if (th == 1 && n >= (kNopeDim - 256) / 8) unrope_pair(v[k][0], v[k][1], cs, 4 * (n - (kNopeDim - 256) / 8) + t);
+        amax = fmaxf(amax, fmaxf(fabsf(v[k][0]), fabsf(v[k][1])));
+      }
+      amax = fmaxf(amax, shfl_xor_f32(amax, 1));
+      amax = fmaxf(amax, shfl_xor_f32(amax, 2));
+      const int e = out_exponent(amax);
+      const float inv = out_inv_scale(e);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int d = 256 * th + 8 * (4 * grp + k) + 2 * t;  // this pair's dims d, d + 1
+        *reinterpret_cast<uint16_t*>(stage + r * kHeadDim + ((((d >> 4) ^ (r & 7))) << 4) + (d & 15)) =
+            (uint16_t)pack_e4m3x2(v[k][0] * inv, v[k][1] * inv);
+      }
+      if (t == 0) sstage[r * kOutScales + 8 * th + grp] = (char)out_scale_byte(e);
+    }
+    if (th == 0 && t == 0 && r < rows) lse0[r] = fr.lse_nat;
+  }
+  bar_sync(kBarConsumers, kConsumerThreads);
+  const int ct = thread_idx();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int k = ct + kConsumerThreads * i, r = k >> 5, c = k & 31;
+    if (r < rows)
+      *reinterpret_cast<uint4*>(out_fp8 + (int64_t)r * kHeadDim + 16 * c) =
+          *reinterpret_cast<const uint4*>(stage + r * kHeadDim + ((c ^ (r & 7)) << 4));
+  }
+  if (ct < rows)
+    *reinterpret_cast<uint4*>(out_scale + (int64_t)ct * kOutScales) =
+        *reinterpret_cast<const uint4*>(sstage + ct * kOutScales);
   if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
 }
 

@@ -4,11 +4,12 @@
 
 namespace dsv41 {
 
-// kPair: head groups 2k, 2k + 1 as 2-CTA clusters (kernels.cuh, "crew"); kFam: the cache formats read (producer.cuh).
-template <bool kPair, int kFam>
+// kPair: head groups 2k, 2k + 1 as 2-CTA clusters (kernels.cuh, "crew"); kFam: the cache formats read (producer.cuh);
+// kMega: the mega decode (mega.cuh).
+template <bool kPair, int kFam, bool kMega>
 __global__ void __launch_bounds__(kThreads, 1) dsv41_decode_kernel(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(128) char smem[];
-  decode_cta<kPair, kFam>(p, smem);
+  decode_cta<kPair, kFam, kMega>(p, smem);
 }
 
 // The narrow CTA (narrow.cuh): 16 R query heads, no head-group padding.
@@ -61,17 +62,22 @@ cudaError_t launch_plans(const PlanBatch& plans, cudaStream_t stream) {
 }
 
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
-  static unsigned long long done[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  static unsigned long long done[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const long long grid = (long long)p.num_groups * p.s_q * p.num_parts;
   if (grid <= 0 || p.b <= 0) return cudaSuccess;
   const bool pair = p.pair != 0;
-  // kernel k: 0 one 64-head CTA, 1 a pair, 2 / 3 the narrow CTA of 16 / 32 heads; + 4: the V4.1 formats
-  const int k = (narrow_rows_ok(p.h_pad) ? 1 + p.h_pad / 16 : pair ? 1 : 0) + (decode_family(p) == kFamV41 ? 4 : 0);
-  void (*const kernels[8])(const DecodeParams) = {
-      dsv41_decode_kernel<false, kFamV4>,  dsv41_decode_kernel<true, kFamV4>,
-      dsv41_decode_narrow_kernel<1, kFamV4>, dsv41_decode_narrow_kernel<2, kFamV4>,
-      dsv41_decode_kernel<false, kFamV41>, dsv41_decode_kernel<true, kFamV41>,
-      dsv41_decode_narrow_kernel<1, kFamV41>, dsv41_decode_narrow_kernel<2, kFamV41>};
+  // kernel k: 0 one 64-head CTA, 1 a pair, 2 / 3 the narrow CTA of 16 / 32 heads; + 4: the V4.1 formats;
+  // 8 + (pair) + 2 (V4.1): the mega decode's 64-head CTAs (the narrow CTA reads p.mega)
+  const int fam = decode_family(p) == kFamV41 ? 1 : 0;
+  const int k = narrow_rows_ok(p.h_pad) ? 1 + p.h_pad / 16 + 4 * fam : p.mega ? 8 + (pair ? 1 : 0) + 2 * fam
+                                                                             : (pair ? 1 : 0) + 4 * fam;
+  void (*const kernels[12])(const DecodeParams) = {
+      dsv41_decode_kernel<false, kFamV4, false>,  dsv41_decode_kernel<true, kFamV4, false>,
+      dsv41_decode_narrow_kernel<1, kFamV4>,       dsv41_decode_narrow_kernel<2, kFamV4>,
+      dsv41_decode_kernel<false, kFamV41, false>, dsv41_decode_kernel<true, kFamV41, false>,
+      dsv41_decode_narrow_kernel<1, kFamV41>,      dsv41_decode_narrow_kernel<2, kFamV41>,
+      dsv41_decode_kernel<false, kFamV4, true>,   dsv41_decode_kernel<true, kFamV4, true>,
+      dsv41_decode_kernel<false, kFamV41, true>,  dsv41_decode_kernel<true, kFamV41, true>};
   auto* kernel = kernels[k];
   cudaError_t e = ensure_smem_limit((const void*)kernel, kSmemLaunchBytes, &done[k]);
   if (e != cudaSuccess) return e;

@@ -101,15 +101,26 @@ constexpr bool kStagedEpi = kWgmma;
 // lse = +inf. Written by the kThreadsT consumer threads (ct: this one's index among them), with no tile, for the
 // CTA's `rows` heads from head `head0` (a 64-head group, fewer in a last partial one; the narrow CTA's h_q heads
 // from 0) of rows of `heads` heads (h_q). head_row: row (request, token) times `heads`, plus head0.
-template <int kThreadsT = kConsumerThreads>
+// kMega: 0 the plain decode, 1 a mega decode finishing its requests of one piece here, 2 one whose combine
+// finishes every request (mega_via_combine).
+enum : int { kEmptyPlain = 0, kEmptyMegaFinal = 1, kEmptyMegaCombine = 2 };
+template <int kThreadsT = kConsumerThreads, int kMega = kEmptyPlain>
 DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int req, int s, int64_t head_row,
                              int64_t heads, int64_t head0, int rows, int ct) {
   const int first = ldg_nc_s32(p.num_splits + req);
   const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
   const uint4 zero = make_u4(0u, 0u, 0u, 0u);
-  if (pieces <= 1 || p.num_slots <= 1) {
-    uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
-    for (int i = ct; i < rows * kHeadDim / 8; i += kThreadsT) o[i] = zero;
+  if ((pieces <= 1 || p.num_slots <= 1) && kMega != kEmptyMegaCombine) {
+    if constexpr (kMega == kEmptyMegaFinal) {  // out 0: e4m3 zeros with the exponent of an all-zero group
+      uint4* o = reinterpret_cast<uint4*>(p.out_fp8 + head_row * kHeadDim);
+      for (int i = ct; i < rows * kHeadDim / 16; i += kThreadsT) o[i] = zero;
+      const uint32_t e0 = out_scale_byte(out_exponent(0.f)) * 0x01010101u;
+      uint4* sc = reinterpret_cast<uint4*>(p.out_scale + head_row * kOutScales);
+      for (int i = ct; i < rows; i += kThreadsT) sc[i] = make_u4(e0, e0, e0, e0);
+    } else {
+      uint4* o = reinterpret_cast<uint4*>(p.out + head_row * kHeadDim);
+      for (int i = ct; i < rows * kHeadDim / 8; i += kThreadsT) o[i] = zero;
+    }
     if (ct < rows) p.lse[head_row + ct] = finf();
     return;
   }
@@ -121,7 +132,8 @@ DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int re
   if (ct < rows) p.lse_accum[arow + ct] = -finf();
 }
 
-template <class C, class Side>
+// kMega: the mega decode (mega.cuh; its own kernels, so that the plain decode's registers stay as they are).
+template <bool kMega, class C, class Side>
 DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
                                 int s, int w, int lane, const Side& side) {
   Acc acc;
@@ -133,11 +145,13 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     const int64_t row = (int64_t)req * p.s_q + s;
     const int64_t head_row = row * p.h_q + (int64_t)group * kHeadsPerCta;  // row of [b*s_q*h_q]
     if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
-      write_empty_piece(p, wk, req, s, head_row, p.h_q, (int64_t)group * kHeadsPerCta, rows, ct);
+      constexpr int kEmpty = !kMega ? kEmptyPlain : kStagedEpi ? kEmptyMegaFinal : kEmptyMegaCombine;
+      write_empty_piece<kConsumerThreads, kEmpty>(p, wk, req, s, head_row, p.h_q, (int64_t)group * kHeadsPerCta, rows,
+                                                  ct);
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;
-    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct, rows);
+    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct, rows, kMega ? mega_cs_row(p, row) : nullptr);
     if (kStagedEpi && req < wk.end_req) {  // the next request's Q rows (64 KB): two 128-byte lines per thread
       const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_q) * kHeadDim);
       if (ct < 8 * rows) prefetch_l2(qn + 128 * ct);
@@ -156,11 +170,18 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
       first = ldg_nc_s32(p.num_splits + req);
       pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     }
-    if (pieces <= 1 || p.num_slots <= 1) {  // (one slot: the caller's plan has no split-KV, no combine runs)
-      if constexpr (kStagedEpi)
-        write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
-                                        group_sink(p.sink, group), rows);
-      else
+    // (one slot: the caller's plan has no split-KV, no combine runs; a mega decode without the staged epilogue:
+    // the combine finishes every request, mega_via_combine)
+    if ((pieces <= 1 || p.num_slots <= 1) && !(kMega && !kStagedEpi)) {
+      if constexpr (kStagedEpi) {
+        if constexpr (kMega)
+          write_final_mega_staged<true>(smem, acc, w, lane, p.out_fp8 + head_row * kHeadDim,
+                                        p.out_scale + head_row * kOutScales, p.lse + head_row,
+                                        group_sink(p.sink, group), mega_cs_row(p, row), rows);
+        else
+          write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
+                                          group_sink(p.sink, group), rows);
+      } else
         write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
                     group_sink(p.sink, group), rows);
     } else {
@@ -213,7 +234,7 @@ struct Wg1Side {
   }
 };
 
-template <class C>
+template <bool kMega, class C>
 DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
                             int s, int w, int lane) {
   if constexpr (C::wg1_addr) {
@@ -221,16 +242,17 @@ DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* s
       Wg1Side side{AddrGen(p, wk, s), smem, crew.rank, lane, w == 4};
       if (side.on) side.gen.prologue(smem, crew.rank, lane);
       bar_arrive(kBarAddr, 256);
-      decode_consumer_loop(p, wk, smem, crew, group, s, w, lane, side);
+      decode_consumer_loop<kMega>(p, wk, smem, crew, group, s, w, lane, side);
       return;
     }
   }
-  decode_consumer_loop(p, wk, smem, crew, group, s, w, lane, NoSide{});
+  decode_consumer_loop<kMega>(p, wk, smem, crew, group, s, w, lane, NoSide{});
 }
 
 // Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together;
-// with p.pair, groups 2k and 2k + 1 form one 2-CTA cluster). kFam: the cache formats it reads (producer.cuh).
-template <bool kPair, int kFam>
+// with p.pair, groups 2k and 2k + 1 form one 2-CTA cluster). kFam: the cache formats it reads (producer.cuh);
+// kMega: a mega decode's kernel (p.mega).
+template <bool kPair, int kFam, bool kMega = false>
 DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
   const auto crew = crew_setup<kPair, kPair>(smem);
@@ -249,7 +271,7 @@ DEVFN void decode_cta(const DecodeParams& p, char* smem_raw) {
     decode_producers<kFam>(p, wk, smem, crew, s, w - kConsumerWarps, lane);
   } else {
     setmaxnreg_inc<crew.consumer_regs>();
-    decode_consumers(p, wk, smem, crew, group, s, w, lane);
+    decode_consumers<kMega>(p, wk, smem, crew, group, s, w, lane);
   }
   crew_teardown(crew);
 }

@@ -1,5 +1,6 @@
 // XLA FFI handlers of the dsv41 CUDA kernels (exported C symbols, loaded with ctypes):
 //   Dsv41SparseMlaDecode   -> FFI target "dsv41_sparse_mla_decode"
+//   Dsv41SparseMlaMegaDecode -> FFI target "dsv41_sparse_mla_mega_decode" (the same kernels, DecodeParams::mega)
 //   Dsv41PlanDecodeSplits  -> FFI target "dsv41_plan_decode_splits"
 //   Dsv41SparseMlaPrefill  -> FFI target "dsv41_sparse_mla_prefill"
 // All are command-buffer compatible: they only enqueue kernels on XLA's stream, allocate nothing
@@ -62,6 +63,29 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, 
   return ffi::Error::Success();
 }
 
+ffi::Error MegaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer indices,
+                          ffi::AnyBuffer topk_length, ffi::AnyBuffer attn_sink, ffi::AnyBuffer sched,
+                          ffi::AnyBuffer num_splits, ffi::AnyBuffer extra_kv, ffi::AnyBuffer extra_indices,
+                          ffi::AnyBuffer extra_topk_length, ffi::AnyBuffer positions, ffi::AnyBuffer cos_sin,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_scale,
+                          ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> o_accum,
+                          ffi::Result<ffi::AnyBuffer> lse_accum, float softmax_scale, int64_t kv_format,
+                          int64_t block_size, int64_t has_extra, int64_t extra_kv_format, int64_t extra_block_size,
+                          int64_t batch_invariant) {
+  const dsv41::TensorView in[10] = {view(q),         view(kv),         view(indices),       view(topk_length),
+                                    view(attn_sink), view(sched),      view(num_splits),    view(extra_kv),
+                                    view(extra_indices), view(extra_topk_length)};
+  const dsv41::TensorView res[4] = {view(*out), view(*lse), view(*o_accum), view(*lse_accum)};
+  const dsv41::MegaArgs mega{view(positions), view(cos_sin), view(*out_scale), batch_invariant};
+  dsv41::DecodeParams p{};
+  std::string err = dsv41::make_decode_params(in, res, softmax_scale, kv_format, block_size, has_extra,
+                                              extra_kv_format, extra_block_size, &p, &mega);
+  if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_sparse_mla_mega_decode: " + err);
+  cudaError_t e = dsv41::launch_decode(p, stream);
+  if (e != cudaSuccess) return cuda_error("dsv41_sparse_mla_mega_decode launch", e);
+  return ffi::Error::Success();
+}
+
 ffi::Error PlanImpl(cudaStream_t stream, ffi::AnyBuffer topk_length, ffi::AnyBuffer extra_topk_length,
                     ffi::Result<ffi::AnyBuffer> sched, ffi::Result<ffi::AnyBuffer> num_splits, int64_t topk,
                     ffi::Span<const int64_t> extra_topk, ffi::Span<const int64_t> has_extra, int64_t fixed_overhead) {
@@ -117,6 +141,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaDecode, DecodeImpl,
                                   .Attr<int64_t>("extra_block_size"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaMegaDecode, MegaDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q (not roped)
+                                  .Arg<ffi::AnyBuffer>()  // kv_cache
+                                  .Arg<ffi::AnyBuffer>()  // indices
+                                  .Arg<ffi::AnyBuffer>()  // topk_length ([0]: topk)
+                                  .Arg<ffi::AnyBuffer>()  // attn_sink ([0]: none)
+                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata (the split plan)
+                                  .Arg<ffi::AnyBuffer>()  // num_splits
+                                  .Arg<ffi::AnyBuffer>()  // extra_kv_cache
+                                  .Arg<ffi::AnyBuffer>()  // extra_indices
+                                  .Arg<ffi::AnyBuffer>()  // extra_topk_length ([0]: extra topk)
+                                  .Arg<ffi::AnyBuffer>()  // positions [b, s_q]
+                                  .Arg<ffi::AnyBuffer>()  // cos_sin_cache [max_pos, 64]
+                                  .Ret<ffi::AnyBuffer>()  // out (e4m3 bytes)
+                                  .Ret<ffi::AnyBuffer>()  // out_scale (UE8M0)
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Ret<ffi::AnyBuffer>()  // o_accum
+                                  .Ret<ffi::AnyBuffer>()  // lse_accum
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int64_t>("kv_format")
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("has_extra")
+                                  .Attr<int64_t>("extra_kv_format")
+                                  .Attr<int64_t>("extra_block_size")
+                                  .Attr<int64_t>("batch_invariant"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41PlanDecodeSplits, PlanImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -145,4 +198,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaPrefill, PrefillImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Version probe for the Python loader (bumped whenever an FFI signature changes).
-extern "C" int dsv41_cuda_abi_version() { return 3; }
+extern "C" int dsv41_cuda_abi_version() { return 4; }

@@ -190,9 +190,20 @@ inline int32_t pair_groups(int64_t num_groups, int64_t b, int64_t tiles_per_row,
   return slots == 1 || b * tiles_per_row >= 2 * parts ? 1 : 0;
 }
 
+// The mega decode's extra operands (DecodeParams::mega): positions int32 [b, s_q], cos_sin f32 [max_pos, 64] and the
+// result out_scale uint8 [b, s_q, h_q, 16] (out is then uint8 [b, s_q, h_q, 512], the e4m3 bytes). Its
+// accumulators always have b + num_parts slots (the combine finishes requests of one piece too, mega.cuh), so
+// whether the plan is batch-invariant comes as a flag.
+struct MegaArgs {
+  TensorView positions, cos_sin, out_scale;
+  int64_t batch_invariant;
+};
+
+// mega: nullptr for the plain decode.
 inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*4*/, float softmax_scale,
                                       int64_t kv_format, int64_t block_size, int64_t has_extra,
-                                      int64_t extra_kv_format, int64_t extra_block_size, DecodeParams* p) {
+                                      int64_t extra_kv_format, int64_t extra_block_size, DecodeParams* p,
+                                      const MegaArgs* mega = nullptr) {
   const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4], &sched = in[5],
                    &nsplit = in[6], &ekv = in[7], &eidx = in[8], &etl = in[9];
   std::string e;
@@ -232,15 +243,29 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (parts < 1 || parts > 65535) return cat("tile_scheduler_metadata: expected 1..65535 parts, got ", parts);
   if (!(e = expect("num_splits", nsplit, DType::kS32, 1)).empty()) return e;
   if (!(e = expect_dims("num_splits", nsplit, {b + 1})).empty()) return e;
-  if (!(e = expect("out", out[0], DType::kBF16, 4)).empty()) return e;
+  if (!(e = expect("out", out[0], mega ? DType::kU8 : DType::kBF16, 4)).empty()) return e;
   if (!(e = expect_dims("out", out[0], {b, s_q, h, kHeadDim})).empty()) return e;
   if (!(e = expect("lse", out[1], DType::kF32, 3)).empty()) return e;
   if (!(e = expect_dims("lse", out[1], {b, s_q, h})).empty()) return e;
   if (!(e = expect("o_accum", out[2], DType::kF32, 4)).empty()) return e;
   const int64_t slots = out[2].dims[0];
+  if (mega && slots != b + parts)
+    return cat("o_accum: expected ", b + parts, " slots (b + num_parts; a mega decode), got shape ", shape_str(out[2]));
   if (slots != 1 && slots != b + parts)
     return cat("o_accum: expected ", b + parts, " slots (b + num_parts) or 1 (a plan without split-KV), got shape ",
                shape_str(out[2]));
+  if (mega) {
+    if (!(e = expect("positions", mega->positions, DType::kS32, 2)).empty()) return e;
+    if (!(e = expect_dims("positions", mega->positions, {b, s_q})).empty()) return e;
+    if (!(e = expect("cos_sin_cache", mega->cos_sin, DType::kF32, 2)).empty()) return e;
+    if (!(e = expect_dims("cos_sin_cache", mega->cos_sin, {-1, kRopeDim})).empty()) return e;
+    if (mega->cos_sin.dims[0] < 1 || mega->cos_sin.dims[0] > kMaxI32)
+      return cat("cos_sin_cache: expected 1 .. 2^31 - 1 positions, got shape ", shape_str(mega->cos_sin));
+    if (!(e = expect("out_scale", mega->out_scale, DType::kU8, 4)).empty()) return e;
+    if (!(e = expect_dims("out_scale", mega->out_scale, {b, s_q, h, kOutScales})).empty()) return e;
+    if (mega->batch_invariant != 0 && mega->batch_invariant != 1)
+      return cat("batch_invariant: expected 0 or 1, got ", mega->batch_invariant);
+  }
   if (!(e = expect_dims("o_accum", out[2], {slots, s_q, h, kHeadDim})).empty()) return e;
   if (!(e = expect("lse_accum", out[3], DType::kF32, 3)).empty()) return e;
   if (!(e = expect_dims("lse_accum", out[3], {slots, s_q, h})).empty()) return e + " (as o_accum)";
@@ -252,7 +277,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->sink = sink.dims[0] ? static_cast<const float*>(sink.data) : nullptr;
   p->sched = static_cast<const int32_t*>(sched.data);
   p->num_splits = static_cast<const int32_t*>(nsplit.data);
-  p->out = static_cast<uint16_t*>(out[0].data);
+  p->out = mega ? nullptr : static_cast<uint16_t*>(out[0].data);
   p->lse = static_cast<float*>(out[1].data);
   p->o_accum = static_cast<float*>(out[2].data);
   p->lse_accum = static_cast<float*>(out[3].data);
@@ -266,8 +291,16 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   p->has_extra = (int32_t)has_extra;
   const int64_t tiles_per_row = (p->main.topk + kTileTokens - 1) / kTileTokens +
                                  (has_extra ? (p->extra.topk + kTileTokens - 1) / kTileTokens : 0);
-  p->pair = narrow ? 0 : pair_groups(p->num_groups, b, tiles_per_row, parts, slots);
+  p->pair = narrow ? 0 : pair_groups(p->num_groups, b, tiles_per_row, parts, mega && mega->batch_invariant ? 1 : slots);
   p->num_slots = (int32_t)slots;
+  if (mega) {
+    p->mega = 1;
+    p->positions = static_cast<const int32_t*>(mega->positions.data);
+    p->cos_sin = static_cast<const float*>(mega->cos_sin.data);
+    p->max_pos = (int32_t)mega->cos_sin.dims[0];
+    p->out_fp8 = static_cast<uint8_t*>(out[0].data);
+    p->out_scale = static_cast<uint8_t*>(mega->out_scale.data);
+  }
   return "";
 }
 

@@ -87,9 +87,12 @@ DEVFN void narrow_release(char* smem, int tc, int lane) {
 
 // Q rows 0..16R-1 of one query token (bf16 [h_q][512] from global; rows past h_q zero) as f16 into the
 // swizzled Q region; the 128 consumer threads, 8R loads each in flight; ends with the consumer barrier.
+// cs: as load_q's (the mega decode's RoPE of dims 448..511).
 template <int R>
-DEVFN void narrow_load_q(char* smem, const uint16_t* q, int h_q, int ct) {
+DEVFN void narrow_load_q(char* smem, const uint16_t* q, int h_q, int ct, const float* cs) {
   constexpr int kPer = 8 * R;
+  const int chunk = ct & 63;  // (the same chunk of every row this thread loads)
+  const bool rope = cs != nullptr && chunk >= kNopeDim / 8;
   uint4 v[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -99,6 +102,7 @@ DEVFN void narrow_load_q(char* smem, const uint16_t* q, int h_q, int ct) {
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int c = ct + kNarrowConsumerThreads * i;
+    if (rope) v[i] = rope_q_chunk(v[i], cs, chunk - kNopeDim / 8);
     *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
   }
   fence_proxy_async();  // the warpgroup MMAs read Q through the async proxy (a no-op in builds without them)
@@ -586,18 +590,21 @@ DEVFN void narrow_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
     const DecodeSeg sg = decode_segment(p, wk, req);
     const int64_t head_row = ((int64_t)req * p.s_q + s) * p.h_q;  // row of [b*s_q*h_q]
     if (sg.blk0 >= sg.blk1) {  // (never for the call's own plan; the producers skip it too)
-      write_empty_piece<kNarrowConsumerThreads>(p, wk, req, s, head_row, p.h_q, 0, p.h_q, ct);
+      if (p.mega)  // (its combine finishes every request)
+        write_empty_piece<kNarrowConsumerThreads, kEmptyMegaCombine>(p, wk, req, s, head_row, p.h_q, 0, p.h_q, ct);
+      else
+        write_empty_piece<kNarrowConsumerThreads>(p, wk, req, s, head_row, p.h_q, 0, p.h_q, ct);
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;
-    narrow_load_q<R>(smem, p.q + head_row * kHeadDim, p.h_q, ct);
+    narrow_load_q<R>(smem, p.q + head_row * kHeadDim, p.h_q, ct, mega_cs_row(p, (int64_t)req * p.s_q + s));
     narrow_reset(acc);
     narrow_consume_tiles<R>(crew, smem, tc, ntiles, acc, p.scale_log2, w, lane);
     tc += ntiles;
     const int first = ldg_nc_s32(p.num_splits + req);
     const int pieces = ldg_nc_s32(p.num_splits + req + 1) - first;
     narrow_publish_stats(smem, acc, w, lane);
-    if (pieces <= 1 || p.num_slots <= 1) {
+    if ((pieces <= 1 || p.num_slots <= 1) && !p.mega) {  // (a mega decode's pieces all go to the combine)
       narrow_write_final(smem, acc, p.h_q, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.sink);
     } else {
       const int64_t slot = (int64_t)first + (req == wk.begin_req ? wk.begin_split : 0);

@@ -7,6 +7,10 @@
 namespace dsv41 {
 
 constexpr int kHeadDim = 512;       // latent: 448 NoPE + 64 RoPE; V = the full latent
+constexpr int kRopeDim = 64;        // GPT-J pairs (2i, 2i + 1) of the last 64 dims (dsv41_jax.rope)
+constexpr int kNopeDim = kHeadDim - kRopeDim;
+constexpr int kOutGroup = 32;       // the mega output: one UE8M0 exponent per 32 dims
+constexpr int kOutScales = kHeadDim / kOutGroup;
 constexpr int kHeadsPerCta = 64;    // heads of one CTA (the JAX wrapper pads h_q to a multiple)
 constexpr int kNarrowMaxHeads = 32; // decode heads the narrow CTA takes unpadded (narrow.cuh: 16 or 32 rows)
 constexpr int kTileTokens = 64;     // tokens of one K/V tile (and one split-plan block)
@@ -106,6 +110,15 @@ struct DecodeParams {
   int32_t b, s_q, h_q, h_pad, num_groups, num_parts, has_extra;
   int32_t pair;              // 1: CTAs of head groups 2k, 2k+1 run as a 2-CTA cluster sharing the gather
   int32_t num_slots;         // accumulator slots; a piece whose slot lies past them is never written or read
+  // The mega decode (mega = 1; mega.cuh): q is not roped (the kernel ropes its last 64 dims at the row's
+  // position), the output is inverse-roped and stored as e4m3 with one UE8M0 exponent per 32 dims; out and the
+  // bf16 output are unused then.
+  int32_t mega;
+  const int32_t* positions;  // int32 [b * s_q] (clamped to [0, max_pos) on use)
+  const float* cos_sin;      // f32 [max_pos, 64]: [cos 32 | sin 32] per position
+  int32_t max_pos;
+  uint8_t* out_fp8;          // e4m3 [b, s_q, h_q, 512]
+  uint8_t* out_scale;        // UE8M0 [b, s_q, h_q, 16]
 };
 // The family of the decode kernel that reads p's pools (make_decode_params refuses a pool of each family).
 DSV41_HD constexpr int decode_family(const DecodeParams& p) {

@@ -278,6 +278,35 @@ DEVFN float2 e4m3x2_to_f32x2(uint32_t two_bytes) {
   return r;
 }
 
+// Two f32 -> two e4m3 (OCP "fn") in one 16-bit word, round to nearest even, finite values beyond +-448
+// saturate to +-448 (cvt .satfinite); `lo` goes to the low byte.
+#if !DSV41_DEVICE
+inline uint32_t f32_to_e4m3_satfinite(float f) {
+  const uint32_t sign = (f32_bits(f) >> 24) & 0x80u;
+  const float a = std::fabs(f);
+  if (a != a) return 0x7fu;
+  if (a >= 464.f) return sign | 0x7eu;  // rounds past 448 (the largest finite e4m3): saturate
+  if (a < 0.015625f) return sign | (uint32_t)std::nearbyint(std::ldexp(a, 9));  // subnormals: units of 2^-9
+  int e = 0;
+  const float m = std::frexp(a, &e);                  // a = m 2^e, m in [0.5, 1)
+  uint32_t q = (uint32_t)std::nearbyint(std::ldexp(m, 4));  // 8..16: 1.mmm with the rounding carry
+  int ee = e - 1 + 7;                                 // biased exponent of 1.mmm x 2^(e-1)
+  if (q == 16u) { q = 8u; ++ee; }
+  const uint32_t r = ((uint32_t)ee << 3) | (q - 8u);
+  return sign | (r > 0x7eu ? 0x7eu : r);
+}
+#endif
+DEVFN uint32_t pack_e4m3x2(float lo, float hi) {
+#if DSV41_DEVICE
+  unsigned short r;
+  // cvt.rn.satfinite.e4m3x2.f32 d, a, b puts a in the UPPER byte and b in the lower one.
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return (uint32_t)r;
+#else
+  return f32_to_e4m3_satfinite(lo) | (f32_to_e4m3_satfinite(hi) << 8);
+#endif
+}
+
 // Byte permute (prmt.b32, default mode): byte k of the result is byte (sel >> 4k) & 7 of the 8 bytes {a, b}
 // (a's bytes 0..3, b's 4..7); `sel` has no bit 3 set in its four nibbles (the sign-replicating mode).
 DEVFN uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {

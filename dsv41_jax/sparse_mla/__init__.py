@@ -1,7 +1,8 @@
 """Sparse MLA attention (DeepSeek-V4.1, FlashMLA semantics): the public ops and their dispatch.
 
 - `api`: the ops (`sparse_mla_decode`, `sparse_mla_prefill`, the mega ops), `explain_impl`, `AUTO_ORDER`;
-- `base`: the call records every implementation receives (`DecodeCall`, `PrefillCall`) and the argument checks;
+- `base`: the call records every implementation receives (`DecodeCall`, `PrefillCall`, `MegaDecodeCall`) and the
+  argument checks;
 - `reference`: the `impl="xla"` reference;
 - `capabilities`: the backend descriptors (`BackendSpec`, the five built-in ones) and `select_backend`;
 - `implementations`: the implementation table (impl name -> the package that implements it, loaded on first use).
@@ -25,7 +26,8 @@ from dsv41_jax.sparse_mla.api import (
     sparse_mla_mega_prefill,
     sparse_mla_prefill,
 )
-from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall, make_decode_call, make_prefill_call
+from dsv41_jax.sparse_mla.base import (DecodeCall, MegaDecodeCall, PrefillCall, make_decode_call,
+                                       make_mega_decode_call, make_prefill_call)
 from dsv41_jax.sparse_mla.capabilities import (
     BUILTIN_BACKENDS,
     CUDA_SPARSE_DSV41,
@@ -47,7 +49,7 @@ __all__ = [
     "api", "base", "capabilities", "implementations", "reference",
     "sparse_mla_decode", "sparse_mla_prefill", "sparse_mla_mega_decode", "sparse_mla_mega_prefill",
     "explain_impl", "ImplChoice", "ImplCandidate", "AUTO_ORDER", "quantize_output_fp8",
-    "DecodeCall", "PrefillCall", "make_decode_call", "make_prefill_call",
+    "DecodeCall", "PrefillCall", "MegaDecodeCall", "make_decode_call", "make_prefill_call", "make_mega_decode_call",
     "IMPLEMENTATIONS", "Implementation", "decode_impls", "prefill_impls",
     "BackendSpec", "BackendSelectionError", "DeviceInfo", "BUILTIN_BACKENDS",
     "FLASHMLA_SPARSE_DSV41", "FLASHMLA_MEGA_ATTN_DSV41", "CUDA_SPARSE_DSV41", "PALLAS_SPARSE_DSV41", "XLA_SPARSE_DSV41",

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 from dsv41_jax.device import DeviceInfo
 from dsv41_jax.plans import DecodePlan
 from dsv41_jax.sparse_mla import reference
-from dsv41_jax.sparse_mla.base import (DecodeCall, PrefillCall, check_array, check_q, check_rope_args,
-                                       make_decode_call, make_prefill_call)
+from dsv41_jax.sparse_mla.base import (DecodeCall, MegaDecodeCall, PrefillCall, check_q, check_rope_args,
+                                       make_decode_call, make_mega_decode_call, make_prefill_call)
+from dsv41_jax.sparse_mla.reference import mega_finish, quantize_output_fp8
 from dsv41_jax.sparse_mla.capabilities import AUTO_ORDER, BackendSelectionError, registered_backends, select_backend
 from dsv41_jax.sparse_mla.implementations import (IMPLEMENTATIONS, decode_impls, import_error, installed,
                                                   prefill_impls, unavailable_reason)
@@ -40,6 +41,7 @@ from dsv41_jax.sparse_mla.implementations import (IMPLEMENTATIONS, decode_impls,
 __all__ = [
     "DecodeCall",
     "PrefillCall",
+    "MegaDecodeCall",
     "ImplCandidate",
     "ImplChoice",
     "AUTO_ORDER",
@@ -65,13 +67,24 @@ def _check_impl(impl: Any) -> str:
     return impl
 
 
-def _role(call: DecodeCall | PrefillCall) -> str:
+Call = DecodeCall | PrefillCall | MegaDecodeCall
+_OPS = {"decode": "sparse_mla_decode", "prefill": "sparse_mla_prefill", "mega_decode": "sparse_mla_mega_decode"}
+
+
+def _role(call: Call) -> str:
+    """The implementation function a call runs: "decode", "prefill" or "mega_decode"."""
+    if isinstance(call, MegaDecodeCall):
+        return "mega_decode"
     return "decode" if isinstance(call, DecodeCall) else "prefill"
 
 
-def _supports(name: str, call: DecodeCall | PrefillCall) -> str | None:
-    """The kernel's own answer for this call: None, or why it refuses it."""
-    check = IMPLEMENTATIONS[name].function(f"{_role(call)}_supports")
+def _supports(name: str, call: Call) -> str | None:
+    """The kernel's own answer for this call: None, or why it refuses it (an implementation without the
+    role's function has no kernel for it)."""
+    role = _role(call)
+    if IMPLEMENTATIONS[name].function(role) is None:
+        return f"implementation {name!r} has no {_OPS[role]} kernel"
+    check = IMPLEMENTATIONS[name].function(f"{role}_supports")
     return None if check is None else check(call)
 
 
@@ -89,7 +102,7 @@ class ImplCandidate:
 class ImplChoice:
     """What `impl="auto"` runs for one call and why (`explain_impl`).
 
-    op: "sparse_mla_decode" or "sparse_mla_prefill"; device: the default device the choice was made
+    op: "sparse_mla_decode", "sparse_mla_prefill" or "sparse_mla_mega_decode"; device: the default device the choice was made
     for; impl: the implementation that runs (the first accepted candidate); candidates: every
     implementation in `AUTO_ORDER`, each with `select_backend`'s rejections of its backends and its
     kernel's `supports` answer (candidates after the chosen one are weighed too)."""
@@ -117,15 +130,17 @@ def _weigh(name: str, call: DecodeCall | PrefillCall, device: DeviceInfo) -> Imp
         return ImplCandidate("xla", True, "the reference: any device, every format and page size")
     reasons: list[str] = []
     served = None
+    mega = isinstance(call, MegaDecodeCall)
+    dcall = call.decode if mega else call
     # decode asks for its cache's format and page size; prefill reads plain bf16 rows
-    kv_format, bs = (call.kv_format, call.block_size) if isinstance(call, DecodeCall) else ("auto", None)
+    kv_format, bs = (dcall.kv_format, dcall.block_size) if isinstance(dcall, DecodeCall) else ("auto", None)
     try:
-        served = select_backend(device, impls=(name,), kv_cache_dtype=kv_format, block_size=bs)
+        served = select_backend(device, impls=(name,), kv_cache_dtype=kv_format, block_size=bs, mega=mega)
     except BackendSelectionError as e:
         # one entry per distinct list of reasons, naming the backends (of this implementation) it rejects
         groups: dict[tuple[str, ...], list[str]] = {}
         for spec in registered_backends():
-            if spec.impl == name and "sparse" in spec.interfaces and spec.name in e.reasons:
+            if spec.impl == name and spec.name in e.reasons:
                 groups.setdefault(tuple(e.reasons[spec.name]), []).append(spec.name)
         reasons += [f"{', '.join(names)}: {'; '.join(rs)}" for rs, names in groups.items()]
     if not installed(name):  # asked after the probe, which may just have built the library
@@ -144,7 +159,7 @@ def _weigh(name: str, call: DecodeCall | PrefillCall, device: DeviceInfo) -> Imp
 
 def _auto_choice(call: DecodeCall | PrefillCall) -> ImplChoice:
     """The decision of impl="auto" (what `explain_impl` returns and the ops run)."""
-    op = "sparse_mla_decode" if isinstance(call, DecodeCall) else "sparse_mla_prefill"
+    op = _OPS[_role(call)]
     device = DeviceInfo.default()
     cands = tuple(_weigh(name, call, device) for name in AUTO_ORDER)
     return ImplChoice(op, device, next(c.impl for c in cands if c.accepted), cands)
@@ -192,25 +207,29 @@ def _choose(impl: str, call: DecodeCall | PrefillCall):
 def explain_impl(op: Any, /, *args: Any, **kwargs: Any) -> ImplChoice:
     """What `impl="auto"` would run for a call, and why, without running it.
 
-    op: `sparse_mla_decode` or `sparse_mla_prefill` (the function or its name; "decode" / "prefill"
-    too) followed by the op's own arguments, or a `DecodeCall` / `PrefillCall` alone. The arguments
+    op: `sparse_mla_decode`, `sparse_mla_prefill` or `sparse_mla_mega_decode` (the function or its name;
+    "decode" / "prefill" too) followed by the op's own arguments, or a `DecodeCall` / `PrefillCall` /
+    `MegaDecodeCall` alone. The arguments
     are checked as the op checks them (same errors); `impl` may be given only as "auto". Works under
     `jax.jit` and `jax.eval_shape`, so a call can be asked about with abstract arrays. Returns an
     `ImplChoice`: the chosen implementation and every candidate in `AUTO_ORDER` with its reasons
     (`str()` of it is a readable summary). `impl="auto"` decides through the same function, so asking
     on a GPU without the CUDA library runs its first-use build, as the call would (`cuda_ffi`).
     """
-    if isinstance(op, (DecodeCall, PrefillCall)):
+    if isinstance(op, (DecodeCall, PrefillCall, MegaDecodeCall)):
         if args or kwargs:
-            raise TypeError("explain_impl(call) takes a DecodeCall / PrefillCall alone, without op arguments")
+            raise TypeError("explain_impl(call) takes a DecodeCall / PrefillCall / MegaDecodeCall alone, without op "
+                            "arguments")
         return _auto_choice(op)
     if op is sparse_mla_decode or (isinstance(op, str) and op in ("sparse_mla_decode", "decode")):
         fn, make = sparse_mla_decode, make_decode_call
     elif op is sparse_mla_prefill or (isinstance(op, str) and op in ("sparse_mla_prefill", "prefill")):
         fn, make = sparse_mla_prefill, make_prefill_call
+    elif op is sparse_mla_mega_decode or (isinstance(op, str) and op == "sparse_mla_mega_decode"):
+        fn, make = sparse_mla_mega_decode, make_mega_decode_call
     else:
-        raise ValueError(f"op must be sparse_mla_decode or sparse_mla_prefill (the function or its name), or a "
-                         f"DecodeCall / PrefillCall, got {op!r}")
+        raise ValueError(f"op must be sparse_mla_decode, sparse_mla_prefill or sparse_mla_mega_decode (the function "
+                         f"or its name), or a DecodeCall / PrefillCall / MegaDecodeCall, got {op!r}")
     bound = inspect.signature(fn).bind(*args, **kwargs)  # TypeError naming a missing or unknown argument
     bound.apply_defaults()
     a = dict(bound.arguments)
@@ -293,31 +312,6 @@ def sparse_mla_prefill(
 
 
 # ------------------------------------------------------------------------- mega interface
-def quantize_output_fp8(x: jax.Array, *, group: int = 32) -> tuple[jax.Array, jax.Array]:
-    """Per-`group` e4m3 quantisation of the last dim with UE8M0 scales.
-
-    Returns `(values float8_e4m3fn [..., D], exponents uint8 [..., D // group])`; dequantise as
-    `values * 2^(exponent - 127)`. Scale rule as the fp8 cache formats: `2^ceil(log2(max(amax,
-    1e-4) / 448))`.
-    """
-    D = x.shape[-1]
-    if D % group:
-        raise ValueError(f"last dim {D} must be a multiple of group={group}")
-    xf = x.astype(jnp.float32).reshape(x.shape[:-1] + (D // group, group))
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / 448.0))
-    vals = jnp.clip(xf * jnp.exp2(-e)[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
-    return vals.reshape(x.shape), jnp.clip(e + 127, 0, 255).astype(jnp.uint8)
-
-
-def _mega_finish(out: jax.Array, positions: jax.Array, cs: jax.Array, lse: jax.Array):
-    from dsv41_jax.rope import apply_inverse_rope
-
-    out = apply_inverse_rope(out.astype(jnp.float32), positions, cs)
-    vals, exps = quantize_output_fp8(out)
-    return vals, exps, lse
-
-
 def sparse_mla_mega_decode(
     q: jax.Array,
     positions: jax.Array,
@@ -339,41 +333,30 @@ def sparse_mla_mega_decode(
     plan: DecodePlan | None = None,
     batch_invariant: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The mega-attention decode contract (FlashMLA's fused kernel, SM100 in vLLM), as a reference.
+    """The mega-attention decode (the contract of FlashMLA's fused SM100 kernel): q RoPE, sparse attention,
+    inverse RoPE and fp8 output in one op.
 
     q: bf16 `[T, h_q, 512]`, NOT roped (one query per token; V4.1 applies no per-head q norm);
-    positions: int32 `[T]`; cos_sin_cache: f32 `[max_pos, 64]` (`dsv41_jax.rope.cos_sin_cache`).
-    The main cache is the V4.1 SWA cache (`mxfp8_ds_mla` by default, `fp8_ds_mla` accepted),
-    indices int32 `[T, topk]` / topk_length int32 `[T]`; the extra (compressed) cache is
-    `nvfp4_ds_mla` or an fp8 format. Steps: GPT-J RoPE of q's last 64 dims at `positions`,
-    sparse attention as `sparse_mla_decode`, inverse RoPE of the output's last 64 dims, e4m3
-    quantisation with one UE8M0 exponent per 32 dims. Returns `(out float8_e4m3fn [T, h_q,
-    512], out_scale uint8 [T, h_q, 16], lse f32 [T, h_q])`. Only the "xla" implementation
-    exists (the fused SM100 kernel is not part of this library). plan / batch_invariant: as
-    `sparse_mla_decode` with b = T and s_q = 1 (checked; the reference does not split).
+    positions: int32 `[T]`; cos_sin_cache: f32 `[max_pos, 64]` (`dsv41_jax.rope.cos_sin_cache`; positions
+    are clamped into it). The main cache is the V4.1 SWA cache (`mxfp8_ds_mla` by default; any decode
+    format), indices int32 `[T, topk]` / topk_length int32 `[T]`; the extra (compressed) cache is
+    `nvfp4_ds_mla` or another format. Steps: GPT-J RoPE of q's last 64 dims at `positions` (q stays
+    bf16), sparse attention as `sparse_mla_decode`, inverse RoPE of the float32 output's last 64 dims,
+    e4m3 quantisation with one UE8M0 exponent per 32 dims (`quantize_output_fp8`). Returns `(out
+    float8_e4m3fn [T, h_q, 512], out_scale uint8 [T, h_q, 16], lse f32 [T, h_q])`; a row with no valid
+    token gives out 0 and lse +inf.
+
+    Implementations: "cuda" runs the steps inside the decode kernels (RoPE as Q is loaded; the output
+    stage in the kernel's epilogue, or in the split combine); "xla" runs them as jnp ops. plan /
+    batch_invariant: as `sparse_mla_decode` with b = T and s_q = 1.
     """
     impl = _check_impl(impl)
-    if impl not in ("auto", "xla"):
-        raise ValueError(f"sparse_mla_mega_decode has only the 'xla' implementation, got impl={impl!r}")
-    q = check_q(q, 3, "[T, h_q, 512]")
-    T = q.shape[0]
-    pos, cs = check_rope_args(positions, cos_sin_cache, T)
-    from dsv41_jax.rope import apply_rope
-
-    qr = apply_rope(q, pos, cs)
-
-    def per_token(x):
-        return None if x is None else x.reshape((x.shape[0], 1) + x.shape[1:])
-
-    idx = check_array("indices", indices, 2, kind="int")
-    eidx = None if extra_indices is None else check_array("extra_indices", extra_indices, 2, kind="int")
-    call = make_decode_call(qr[:, None], kv_cache, per_token(idx), topk_length, kv_format, block_size,
-                             softmax_scale, attn_sink, extra_kv_cache, per_token(eidx), extra_topk_length,
-                             extra_kv_format, extra_block_size, plan, batch_invariant)
+    call = make_mega_decode_call(q, positions, cos_sin_cache, kv_cache, indices, topk_length, kv_format, block_size,
+                                 softmax_scale, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
+                                 extra_kv_format, extra_block_size, plan, batch_invariant)
+    chosen = _choose(impl, call)
     with jax.named_scope("dsv41_sparse_mla_mega_decode"):
-        # the output stays float32 until after the inverse RoPE, as in the fused kernel
-        out, lse = reference.decode_f32(call)
-        return _mega_finish(out[:, 0], pos, cs, lse[:, 0])
+        return chosen(call)
 
 
 def sparse_mla_mega_prefill(
@@ -401,4 +384,4 @@ def sparse_mla_mega_prefill(
     call = make_prefill_call(apply_rope(q, pos, cs), kv, indices, softmax_scale, attn_sink, topk_length)
     with jax.named_scope("dsv41_sparse_mla_mega_prefill"):
         out, _, lse = reference.prefill_f32(call)
-        return _mega_finish(out, pos, cs, lse)
+        return mega_finish(out, pos, cs, lse)

@@ -18,8 +18,8 @@ import numpy as np
 from dsv41_jax.kv_cache import LATENT_DIM, NOPE_DIM, ROPE_DIM, canonical_kv_format, page_bytes
 from dsv41_jax.plans import DecodePlan
 
-__all__ = ["DecodeCall", "PrefillCall", "make_decode_call", "make_prefill_call", "check_rope_args", "check_q",
-           "check_array"]
+__all__ = ["DecodeCall", "PrefillCall", "MegaDecodeCall", "make_decode_call", "make_prefill_call",
+           "make_mega_decode_call", "check_rope_args", "check_q", "check_array"]
 
 
 # --------------------------------------------------------------------------- call records
@@ -82,6 +82,17 @@ class PrefillCall:
         if self.topk_length is not None:
             return self.topk_length
         return jnp.full((self.q.shape[0],), self.indices.shape[1], jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegaDecodeCall:
+    """A checked `sparse_mla_mega_decode` call: `decode` is the sparse decode it runs, over q NOT roped
+    (bf16 [T, 1, h_q, 512]: T requests of one query token each); positions int32 [T]; cos_sin_cache f32
+    [max_pos, 64] (`dsv41_jax.rope.cos_sin_cache`)."""
+
+    decode: DecodeCall
+    positions: jax.Array
+    cos_sin_cache: jax.Array
 
 
 # ------------------------------------------------------------------------------- checking
@@ -259,3 +270,22 @@ def check_rope_args(positions: Any, cos_sin_cache: Any, n: int) -> tuple[jax.Arr
         raise ValueError(f"cos_sin_cache must be [max_pos, {ROPE_DIM}] ([cos {ROPE_DIM // 2} | sin {ROPE_DIM // 2}]), "
                          f"got {_shape(cs)}")
     return jnp.asarray(pos, jnp.int32), jnp.asarray(cs, jnp.float32)
+
+
+def make_mega_decode_call(q, positions, cos_sin_cache, kv_cache, indices, topk_length, kv_format, block_size,
+                          softmax_scale, attn_sink, extra_kv_cache, extra_indices, extra_topk_length, extra_kv_format,
+                          extra_block_size, plan, batch_invariant) -> MegaDecodeCall:
+    """`sparse_mla_mega_decode`'s arguments checked (q [T, h_q, 512], indices [T, topk]): the decode call of T
+    one-token requests over the unroped q."""
+    q = check_q(q, 3, "[T, h_q, 512]")
+    pos, cs = check_rope_args(positions, cos_sin_cache, q.shape[0])
+
+    def per_token(x):
+        return None if x is None else x.reshape((x.shape[0], 1) + x.shape[1:])
+
+    idx = check_array("indices", indices, 2, kind="int")
+    eidx = None if extra_indices is None else check_array("extra_indices", extra_indices, 2, kind="int")
+    call = make_decode_call(q[:, None], kv_cache, per_token(idx), topk_length, kv_format, block_size, softmax_scale,
+                            attn_sink, extra_kv_cache, per_token(eidx), extra_topk_length, extra_kv_format,
+                            extra_block_size, plan, batch_invariant)
+    return MegaDecodeCall(call, pos, cs)

@@ -23,6 +23,7 @@ Memory: rows are processed in blocks and the top-k in chunks (`lax.map` over row
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -31,9 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv41_jax import kv_cache as kvc
-from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
+from dsv41_jax.sparse_mla.base import DecodeCall, MegaDecodeCall, PrefillCall
 
-__all__ = ["Pool", "sparse_attention_rows", "decode", "prefill", "decode_f32", "prefill_f32"]
+__all__ = ["Pool", "sparse_attention_rows", "decode", "prefill", "decode_f32", "prefill_f32", "mega_decode",
+           "mega_finish", "quantize_output_fp8"]
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -178,3 +180,41 @@ def prefill_f32(c: PrefillCall) -> tuple[jax.Array, jax.Array, jax.Array]:
 
     pool = Pool(gather, c.indices, c.lengths(), kv.shape[0])
     return sparse_attention_rows(c.q, [pool], softmax_scale=c.softmax_scale, attn_sink=c.attn_sink)
+
+
+# ------------------------------------------------------------------------------ the mega ops
+def quantize_output_fp8(x: jax.Array, *, group: int = 32) -> tuple[jax.Array, jax.Array]:
+    """Per-`group` e4m3 quantisation of the last dim with UE8M0 scales.
+
+    Returns `(values float8_e4m3fn [..., D], exponents uint8 [..., D // group])`; dequantise as
+    `values * 2^(exponent - 127)`. Scale rule as the fp8 cache formats: `2^ceil(log2(max(amax,
+    1e-4) / 448))`.
+    """
+    D = x.shape[-1]
+    if D % group:
+        raise ValueError(f"last dim {D} must be a multiple of group={group}")
+    xf = x.astype(_F32).reshape(x.shape[:-1] + (D // group, group))
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / 448.0))
+    vals = jnp.clip(xf * jnp.exp2(-e)[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return vals.reshape(x.shape), jnp.clip(e + 127, 0, 255).astype(jnp.uint8)
+
+
+def mega_finish(out: jax.Array, positions: jax.Array, cos_sin_cache: jax.Array, lse: jax.Array):
+    """The mega ops' output stage: inverse RoPE of the float32 `out`'s last 64 dims, then e4m3 with UE8M0
+    exponents per 32 dims. Returns `(out e4m3, out_scale uint8, lse)`."""
+    from dsv41_jax.rope import apply_inverse_rope
+
+    out = apply_inverse_rope(out.astype(_F32), positions, cos_sin_cache)
+    vals, exps = quantize_output_fp8(out)
+    return vals, exps, lse
+
+
+def mega_decode(c: MegaDecodeCall) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sparse_mla_mega_decode` of a checked call: RoPE of q (kept bf16), the decode with its output kept float32,
+    `mega_finish`. Returns `(out e4m3 [T, h_q, 512], out_scale uint8 [T, h_q, 16], lse f32 [T, h_q])`."""
+    from dsv41_jax.rope import apply_rope
+
+    q = apply_rope(c.decode.q[:, 0], c.positions, c.cos_sin_cache)
+    out, lse = decode_f32(dataclasses.replace(c.decode, q=q[:, None]))
+    return mega_finish(out[:, 0], c.positions, c.cos_sin_cache, lse[:, 0])

@@ -27,7 +27,7 @@ int report(const std::string& err, char* errbuf, int errlen) {
 
 extern "C" {
 
-int dsv41_emu_abi_version() { return 3; }
+int dsv41_emu_abi_version() { return 4; }
 
 // host_params.h's choice of head-group pairs for a decode launch (1: 2-CTA clusters).
 int dsv41_emu_pair_groups(int64_t num_groups, int64_t b, int64_t tiles_per_row, int64_t parts, int64_t slots) {
@@ -36,18 +36,25 @@ int dsv41_emu_pair_groups(int64_t num_groups, int64_t b, int64_t tiles_per_row, 
 
 // in: 10 tensor views, out: 4 (see make_decode_params): the decode and combine kernels over the given plan.
 // Returns 0 or 1 (message in errbuf).
+// mega: nullptr, or 3 views (positions, cos_sin, out_scale) with mega_invariant: the mega decode (make_decode_params).
 int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, float softmax_scale,
                      int64_t kv_format, int64_t block_size, int64_t has_extra, int64_t extra_kv_format,
-                     int64_t extra_block_size, uint64_t seed, int workers, char* errbuf, int errlen) {
+                     int64_t extra_block_size, const dsv41::TensorView* mega, int64_t mega_invariant, uint64_t seed,
+                     int workers, char* errbuf, int errlen) {
   dsv41::DecodeParams p{};
+  dsv41::MegaArgs margs{};
+  if (mega) margs = dsv41::MegaArgs{mega[0], mega[1], mega[2], mega_invariant};
   std::string err = dsv41::make_decode_params(in, out, softmax_scale, kv_format, block_size, has_extra,
-                                              extra_kv_format, extra_block_size, &p);
-  if (!err.empty()) return report("dsv41_sparse_mla_decode: " + err, errbuf, errlen);
+                                              extra_kv_format, extra_block_size, &p, mega ? &margs : nullptr);
+  if (!err.empty()) return report(std::string(mega ? "dsv41_sparse_mla_mega_decode: " : "dsv41_sparse_mla_decode: ") + err,
+                                  errbuf, errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q * p.num_parts;
   const auto run = [&p](char* smem, auto fam) {
     constexpr int kFam = decltype(fam)::value;
     if (p.h_pad == 16) dsv41::decode_narrow_cta<1, kFam>(p, smem);
     else if (p.h_pad == 32) dsv41::decode_narrow_cta<2, kFam>(p, smem);
+    else if (p.pair && p.mega) dsv41::decode_cta<true, kFam, true>(p, smem);
+    else if (p.mega) dsv41::decode_cta<false, kFam, true>(p, smem);
     else if (p.pair) dsv41::decode_cta<true, kFam>(p, smem);
     else dsv41::decode_cta<false, kFam>(p, smem);
   };

@@ -25,8 +25,9 @@ from dsv41_jax.plans import DecodePlan
 from dsv41_jax.scheduler import num_sm_parts_for
 from tests.cuda_emulator.build import CONSUMERS, LIB_DIR, emulator_name
 
-__all__ = ["EMU_LIB", "EMU_LIBS", "load", "run_decode_ffi", "run_prefill_ffi", "plan_batch_emulated", "plan_emulated",
-           "emulated_plan", "decode_emulated", "prefill_emulated"]
+__all__ = ["EMU_LIB", "EMU_LIBS", "load", "run_decode_ffi", "run_mega_decode_ffi", "run_prefill_ffi",
+           "plan_batch_emulated", "plan_emulated", "emulated_plan", "decode_emulated", "mega_decode_emulated",
+           "prefill_emulated"]
 
 EMU_LIBS = {c: LIB_DIR / emulator_name(c) for c in CONSUMERS}
 EMU_LIB = EMU_LIBS["wgmma"]
@@ -63,8 +64,8 @@ def load(path: Path | None = None, consumer: str = "wgmma") -> ctypes.CDLL:
         lib.dsv41_emu_decode.restype = ctypes.c_int
         lib.dsv41_emu_decode.argtypes = [
             ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p,
-            ctypes.c_int]
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(TensorView), ctypes.c_int64,
+            ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.dsv41_emu_plan.restype = ctypes.c_int
         i64p = ctypes.POINTER(ctypes.c_int64)
         lib.dsv41_emu_plan.argtypes = [
@@ -87,7 +88,12 @@ def _np(x) -> np.ndarray:
 
 def _poisoned(sds) -> np.ndarray:
     a = np.empty(sds.shape, np.dtype(sds.dtype))
-    a.fill(np.nan if np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16 else -0x55555556)
+    if np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16:
+        a.fill(np.nan)
+    elif a.dtype == np.uint8:
+        a.fill(0x7F)  # an e4m3 NaN (the mega output), an exponent of 2^0
+    else:
+        a.fill(-0x55555556)
     return a
 
 
@@ -104,7 +110,26 @@ def run_decode_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, con
     err = ctypes.create_string_buffer(4096)
     rc = lib.dsv41_emu_decode(_views(ins), _views(outs), float(attrs["softmax_scale"]), int(attrs["kv_format"]),
                               int(attrs["block_size"]), int(attrs["has_extra"]), int(attrs["extra_kv_format"]),
-                              int(attrs["extra_block_size"]), seed, workers, err, len(err))
+                              int(attrs["extra_block_size"]), None, 0, seed, workers, err, len(err))
+    if rc:
+        raise ValueError(err.value.decode())
+    return outs
+
+
+def run_mega_decode_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
+    """The mega decode FFI call's contract on host arrays (`_ops.prepare_mega_decode`'s): returns the 5 result
+    arrays (out bytes, out_scale, lse, o_accum, lse_accum)."""
+    lib = load(consumer=consumer)
+    ins = [_np(a) for a in args]
+    outs = [_poisoned(r) for r in results]
+    err = ctypes.create_string_buffer(4096)
+    # the kernels' order: (out, lse, o_accum, lse_accum) and the mega views (positions, cos_sin, out_scale)
+    dec_outs = [outs[0], outs[2], outs[3], outs[4]]
+    mega = [ins[10], ins[11], outs[1]]
+    rc = lib.dsv41_emu_decode(_views(ins[:10]), _views(dec_outs), float(attrs["softmax_scale"]),
+                              int(attrs["kv_format"]), int(attrs["block_size"]), int(attrs["has_extra"]),
+                              int(attrs["extra_kv_format"]), int(attrs["extra_block_size"]), _views(mega),
+                              int(attrs["batch_invariant"]), seed, workers, err, len(err))
     if rc:
         raise ValueError(err.value.decode())
     return outs
@@ -190,6 +215,16 @@ def decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0
     out, lse, _, _ = run_decode_ffi(args, attrs, results, seed=seed, workers=workers, consumer=consumer)
     res = (jnp.asarray(out), jnp.asarray(lse))
     return res + (plan,) if return_plan else res
+
+
+def mega_decode_emulated(call, *, num_sms: int = 132, seed: int = 1, workers: int = 0, planner: str = "device",
+                         consumer: str = "wgmma"):
+    """(out e4m3 [T, h_q, 512], out_scale, lse) of the CUDA mega decode of a `MegaDecodeCall`, computed by the
+    emulator."""
+    plan = emulated_plan(call.decode, num_sms=num_sms, planner=planner, seed=seed + 2)
+    args, attrs, results, _ = _ops.prepare_mega_decode(call, plan)
+    out, scale, lse, _, _ = run_mega_decode_ffi(args, attrs, results, seed=seed, workers=workers, consumer=consumer)
+    return _ops.finish_mega(jnp.asarray(out), jnp.asarray(scale), jnp.asarray(lse))
 
 
 def prefill_emulated(call, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma", kv_f16: bool | None = None):

@@ -1,4 +1,5 @@
-"""Three cuda decodes (fp8 main + extra cache, split plan; h 64, and h 128 and 100 as 2-CTA pairs) and two
+"""Three cuda decodes (fp8 main + extra cache, split plan; h 64, and h 128 and 100 as 2-CTA pairs), the V4.1 decodes,
+four mega decodes and two
 prefills (bf16 rows: prefill_cta, h 40; f16 rows: the seesaw CTA, h 100: two head groups, the last partial;
 varying lengths), for
 `compute-sanitizer --tool memcheck python -m tests.cuda_emulator.sanitize_case` (benchmarks/gpu_check.sh)."""
@@ -43,7 +44,16 @@ def main() -> int:
         with mock.patch.object(_ops, "prefill_kv_f16", lambda *a, f16=rows == "f16": f16):
             res = jax.block_until_ready(d.sparse_mla_prefill(*pre.args(), **pre.kwargs(), impl="cuda"))
         pre.check(res, f"sanitizer prefill ({rows} rows)")
-    print("sanitize_case: decodes and prefills ran and matched the oracle", np.asarray(out).shape)
+    # the mega decode: its staged epilogue (300 one-token requests, most unsplit: h 64, and h 128 as pairs) and the
+    # combine's output stage (the narrow CTA, h 8; split requests)
+    from tests.attention_cases import assert_mega_close, make_mega_case
+
+    for h, b in ((64, 300), (128, 300), (8, 40), (64, 4)):
+        mega = make_mega_case(20 + h, b=b, h_q=h, topk=128, block_size=61, s_kv=400, fmt="mxfp8_ds_mla",
+                              extra=dict(topk=128, block_size=2, fmt="nvfp4_ds_mla"))
+        res = jax.block_until_ready(d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs(), impl="cuda"))
+        assert_mega_close(*res, mega.expected(), f"sanitizer mega decode ({h} heads, {b} tokens)")
+    print("sanitize_case: decodes, mega decodes and prefills ran and matched the oracle", np.asarray(out).shape)
     return 0
 
 

@@ -13,7 +13,10 @@ Run on the GPU machine from the repository root:
 - the split plan of the planner kernel (`make_decode_plan(planner="device")`, the metadata builder's
   plans of three layer types in one launch) equals `plan_decode_splits` bit for bit; the op with no
   plan, the device plan and the JAX plan give bitwise equal outputs; stale plans stay finite (exact
-  when made for longer lengths); batch_invariant=True is bitwise invariant to the batch.
+  when made for longer lengths); batch_invariant=True is bitwise invariant to the batch;
+- the mega decode (`sparse_mla_mega_decode(impl="cuda")`: q RoPE, attention, inverse RoPE and e4m3 output in the
+  kernels) over its grid and at batches where requests run unsplit (the staged epilogue), against the oracle, and
+  bitwise batch-invariant.
 """
 
 from __future__ import annotations
@@ -33,9 +36,13 @@ from dsv41_jax.scheduler import default_num_sms  # noqa: E402
 from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call  # noqa: E402
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
+    MEGA_DECODE_GRID,
     PREFILL_GRID,
     V41_DECODE_GRID,
+    MegaCase,
     assert_close,
+    assert_mega_close,
+    make_mega_case,
     make_decode_case,
     make_prefill_case,
     make_growing_scores_prefill_case,
@@ -346,6 +353,52 @@ def test_decode_v41_flash_shape_vs_xla():
     case.check(*got, "cuda V4.1-Flash decode")
     ref = _decode(case, impl="xla")
     assert_close(got[0], np.asarray(ref[0], np.float64), "decode_out", "cuda vs xla out")
+
+
+MEGA_IDS = [n for n, _ in MEGA_DECODE_GRID]
+
+
+def _mega(case: MegaCase, impl="cuda", **kw):
+    from dsv41_jax import sparse_mla_mega_decode
+
+    return sparse_mla_mega_decode(*case.args(), **case.kwargs(), impl=impl, **kw)
+
+
+@pytest.mark.parametrize("name", MEGA_IDS)
+def test_mega_decode_grid_on_device(name):
+    i = MEGA_IDS.index(name)
+    case = make_mega_case(400 + i, **MEGA_DECODE_GRID[i][1])
+    assert_mega_close(*_mega(case), case.expected(), f"cuda mega decode {name}")
+
+
+@pytest.mark.parametrize("h_q,fmt,extra_fmt", [(64, "mxfp8_ds_mla", "nvfp4_ds_mla"), (128, "mxfp8_ds_mla", "nvfp4_ds_mla"),
+                                               (100, "fp8_ds_mla", "fp8_ds_mla"), (16, "mxfp8_ds_mla", "mxfp8_ds_mla")])
+def test_mega_decode_unsplit_requests_on_device(h_q, fmt, extra_fmt):
+    # more requests than the plan has parts: most requests are one piece, finished by the staged epilogue (h 64 / 128 /
+    # 100) or by the combine (the narrow CTA)
+    case = make_mega_case(430, b=300, h_q=h_q, topk=128, block_size=64, fmt=fmt, s_kv=1024,
+                          extra=dict(topk=128, block_size=2, fmt=extra_fmt, s_kv=512))
+    got = _mega(case)
+    assert_mega_close(*got, case.expected(), f"cuda mega decode h{h_q}, 300 requests")
+    ref = _mega(case, impl="xla")
+    same = np.asarray(got[1]) == np.asarray(ref[1])
+    assert same.mean() > 0.99, f"exponents equal to the reference's: {same.mean():.4f}"
+
+
+def test_mega_decode_batch_invariant_on_device():
+    case = make_mega_case(431, b=40, h_q=64, topk=128, block_size=64, fmt="mxfp8_ds_mla", s_kv=1024,
+                          extra=dict(topk=512, block_size=64, fmt="nvfp4_ds_mla", s_kv=2048))
+    whole = _mega(case, batch_invariant=True)
+    c = case.base
+    import dataclasses
+
+    one = MegaCase(dataclasses.replace(c, q=c.q[:2], indices=c.indices[:2], topk_length=c.topk_length[:2],
+                                       extra_indices=c.extra_indices[:2], extra_topk_length=c.extra_topk_length[:2]),
+                   case.positions[:2], case.cos_sin_cache)
+    part = _mega(one, batch_invariant=True)
+    for x, y in zip(whole, part):
+        np.testing.assert_array_equal(np.asarray(x)[:2].view(np.uint8), np.asarray(y).view(np.uint8))
+    assert_mega_close(*whole, case.expected(), "cuda batch-invariant mega decode")
 
 
 def test_lazy_rescaling_on_device(kv_rows):

@@ -1,0 +1,59 @@
+// The mega decode's arithmetic (DecodeParams::mega; dsv41_jax.sparse_mla.api.sparse_mla_mega_decode): GPT-J RoPE of
+// q's last 64 dims as Q is loaded, and, on the output, the inverse RoPE and e4m3 quantisation with one UE8M0
+// exponent per 32 dims. The epilogues that use it: write_final_mega_staged (consumer.cuh, the sm_90a one-CTA and
+// pair decode) and the combine (combine_cta.cuh), which finishes every request of the kernels without a staged
+// epilogue (the narrow CTA, the sm_100a mma.sync build): those write each piece, even a request's only one, to the
+// accumulators.
+#pragma once
+
+#include "common.cuh"
+
+namespace dsv41 {
+
+// cos / sin row of the query row `row` (request * s_q + token) of a mega decode, nullptr otherwise.
+DEVFN const float* mega_cs_row(const DecodeParams& p, int64_t row) {
+  if (!p.mega) return nullptr;
+  int32_t pos = ldg_nc_s32(p.positions + row);
+  pos = pos < 0 ? 0 : (pos >= p.max_pos ? p.max_pos - 1 : pos);
+  return p.cos_sin + (int64_t)pos * kRopeDim;
+}
+
+// Whether the mega epilogue runs in the combine for every request (kernels without the staged epilogue).
+DEVFN bool mega_via_combine(const DecodeParams& p) { return p.mega && (!kWgmma || p.h_pad <= kNarrowMaxHeads); }
+
+// RoPE of one 16-byte chunk of q (8 bf16: pairs 4j..4j + 3 of the rotated slice, j = chunk - 56) with the row's
+// cos / sin (cs = mega_cs_row): (a, b) -> (a cos - b sin, a sin + b cos) in f32, rounded to bf16 as the reference
+// ropes q (dsv41_jax.rope.apply_rope keeps q's dtype).
+DEVFN uint4 rope_q_chunk(uint4 v, const float* cs, int j) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float c = ldg_nc_f32(cs + 4 * j + k), s = ldg_nc_f32(cs + kRopeDim / 2 + 4 * j + k);
+    const float a = bf16_lo(w[k]), b = bf16_hi(w[k]);
+    w[k] = pack_bf16x2(a * c - b * s, a * s + b * c);
+  }
+  return make_u4(w[0], w[1], w[2], w[3]);
+}
+
+// Inverse RoPE of one output pair (dims 2i, 2i + 1 of the rotated slice): (a, b) -> (a cos + b sin, b cos - a sin).
+DEVFN void unrope_pair(float& a, float& b, const float* cs, int i) {
+  const float c = ldg_nc_f32(cs + i), s = ldg_nc_f32(cs + kRopeDim / 2 + i);
+  const float x = a * c + b * s, y = b * c - a * s;
+  a = x;
+  b = y;
+}
+
+// The UE8M0 exponent of a 32-dim group of largest magnitude amax: ceil(log2(a / 448)) for a = max(amax, 1e-4)
+// (dsv41_jax.sparse_mla.reference.quantize_output_fp8's rule), exactly and without a division. With a = m 2^E,
+// m in [1, 2): a <= 448 2^k = 1.75 2^(k + 8) first holds at k = E - 8 when m <= 1.75, else at k = E - 7. The
+// rounded quotient fl(a / 448) gives the same exponent: the float after 1.75 2^(k + 8) lies beyond the point where
+// the quotient would round down to 2^k. In [-22, 120].
+DEVFN int out_exponent(float amax) {
+  const uint32_t u = f32_bits(amax > 1e-4f ? amax : 1e-4f);
+  return (int)((u >> 23) & 255u) - 127 - 8 + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
+}
+// 2^-e for an exponent of out_exponent (a normal f32).
+DEVFN float out_inv_scale(int e) { return bits_f32((uint32_t)(127 - e) << 23); }
+DEVFN uint32_t out_scale_byte(int e) { return (uint32_t)(e + 127); }
+
+}  // namespace dsv41
