@@ -43,8 +43,11 @@ MEGA_CASES = [
 ]
 
 
-def run_mega_case(case: MegaCase, impl: str, timer, sets: int, iterations: int, seed: int = 0) -> dict:
-    """{"mega_us", "plain_us", "chain_us", ...} of one case (see the module docstring)."""
+def run_mega_case(case: MegaCase, impl: str, timer, sets: int, iterations: int, seed: int = 0,
+                  breakdown: bool = False, batch_invariant: bool = False) -> dict:
+    """{"mega_us", "plain_us", "chain_us", ...} of one case (see the module docstring); breakdown: also each
+    way's CUPTI per-kernel times of the last draw ("kernels": {way: {kernel: us}}); batch_invariant: over the
+    batch-invariant plan (no split-KV, no combine kernel)."""
     import jax
     import jax.numpy as jnp
 
@@ -64,7 +67,7 @@ def run_mega_case(case: MegaCase, impl: str, timer, sets: int, iterations: int, 
               extra_kv_format=case.extra_fmt, extra_block_size=case.extra_block_size, impl=impl)
     plan = d.make_decode_plan(jnp.full((T,), case.topk, jnp.int32), s_q=1, num_heads=case.h_q, topk=case.topk,
                               extra_topk_length=jnp.full((T,), case.extra_topk, jnp.int32),
-                              extra_topk=case.extra_topk)
+                              extra_topk=case.extra_topk, batch_invariant=batch_invariant)
 
     def plain(q, pos, c, i, e, ei, p):
         return d.sparse_mla_decode(q[:, None], c, i[:, None], None, extra_kv_cache=e, extra_indices=ei[:, None],
@@ -90,6 +93,12 @@ def run_mega_case(case: MegaCase, impl: str, timer, sets: int, iterations: int, 
         for name, f in fns.items():
             times[name] += timer(f, args, iterations)
     us = {name: 1e3 * statistics.median(v) for name, v in times.items()}
-    return dict(case=case.name, op="mega", impl=impl, us=us["mega"], mega_us=us["mega"], plain_us=us["plain"],
-                chain_us=us["chain"], mega_over_plain=us["mega"] / us["plain"], chain_over_mega=us["chain"] / us["mega"],
-                samples=len(times["mega"]), config=dataclasses.asdict(case))
+    extra = {}
+    if breakdown:
+        from benchmarks.sparse_mla import _breakdown
+
+        extra["kernels"] = {name: _breakdown(f, args, iterations) for name, f in fns.items()}
+    return dict(case=case.name + ("_invariant" if batch_invariant else ""), op="mega", impl=impl, us=us["mega"],
+                mega_us=us["mega"], plain_us=us["plain"], chain_us=us["chain"], mega_over_plain=us["mega"] / us["plain"],
+                chain_over_mega=us["chain"] / us["mega"], samples=len(times["mega"]), config=dataclasses.asdict(case),
+                **extra)

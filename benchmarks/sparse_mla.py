@@ -349,7 +349,7 @@ def _mega_suite(args, impls) -> list[dict]:
     for c in cases:
         for impl in impls:
             try:
-                r = run_mega_case(c, impl, timer, args.sets, args.iterations)
+                r = run_mega_case(c, impl, timer, args.sets, args.iterations, breakdown=args.breakdown)
             except Exception as e:
                 print(f"{c.name:24s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue
@@ -357,6 +357,9 @@ def _mega_suite(args, impls) -> list[dict]:
             print(f"{c.name:24s} {impl:7s} mega {r['mega_us']:9.1f} us  plain decode {r['plain_us']:9.1f} us  "
                   f"unfused chain {r['chain_us']:9.1f} us  (mega / plain {r['mega_over_plain']:.3f}, chain / mega "
                   f"{r['chain_over_mega']:.3f})", flush=True)
+            for way, kernels in r.get("kernels", {}).items():
+                for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                    print(f"    {way:5s} kernel {us:10.1f} us  {name[:90]}", flush=True)
     return results
 
 

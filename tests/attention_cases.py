@@ -287,10 +287,13 @@ class MegaCase:
         cs = np.asarray(self.cos_sin_cache, np.float64)
         pn = np.clip(np.asarray(self.positions), 0, cs.shape[0] - 1)
         cos, sin = cs[pn, :32][:, None], cs[pn, 32:][:, None]
-        q = _f64(c.q[:, 0])
+        # q is roped in float32 and rounded to bf16, as the ops do (a float64 rotation would round some elements to
+        # the neighbouring bf16 value)
+        q = np.asarray(c.q[:, 0], np.float32)
         a, b = q[..., 448::2].copy(), q[..., 449::2].copy()
-        q[..., 448::2], q[..., 449::2] = a * cos - b * sin, a * sin + b * cos
-        q = _f64(jnp.asarray(q, jnp.bfloat16))  # q is roped in bf16
+        c32, s32 = cos.astype(np.float32), sin.astype(np.float32)
+        q[..., 448::2], q[..., 449::2] = a * c32 - b * s32, a * s32 + b * c32
+        q = _f64(jnp.asarray(q, jnp.bfloat16))
         pools = [(dequantized_table(c.kv_cache, c.kv_format, c.block_size), np.asarray(c.indices[:, 0]),
                   np.clip(np.asarray(c.topk_length), 0, c.indices.shape[2]))]
         if c.extra_kv_cache is not None:

@@ -1000,6 +1000,15 @@ def test_emulated_mega_output_stage_is_exact(emu, h_q, num_sms):
                                       want_v.view(jnp.float8_e4m3fn).astype(np.float32))
 
 
+def test_emulated_mega_decode_many_requests_per_cta(emu):
+    # one part over 300 requests: past the CTA's kMegaPositions (256) staged positions, the rest read from global memory
+    from tests.cuda_emulator.emulate import mega_decode_emulated
+
+    case = make_mega_case(427, b=300, h_q=64, topk=64, block_size=64, fmt="mxfp8_ds_mla", s_kv=256, invalid_frac=0.2)
+    out, scale, lse = mega_decode_emulated(_mega_call(case), num_sms=1)
+    assert_mega_close(out, scale, lse, case.expected(), "mega decode, 300 requests in one CTA")
+
+
 def test_emulated_mega_decode_batch_invariant(emu):
     # batch_invariant: request 0's bytes do not depend on the requests beside it
     from tests.cuda_emulator.emulate import mega_decode_emulated

@@ -40,11 +40,21 @@ DEVFN void acc_reset(Acc& a) {
 // into the swizzled tile layout; rows from `rows` on (a last group of fewer than 64 heads) are zero, never read.
 // Called by all 256 consumer threads; ends with the consumer barrier.
 // kRound: loads in flight per thread (16: one latency instead of two, for callers with the registers free).
-// cs: the mega decode's cos / sin row (mega.cuh), whose RoPE the chunks of dims 448..511 get; nullptr: q is roped.
+// cs: the mega decode's cos / sin row (mega.cuh), whose RoPE the chunks of dims 448..511 get, and which is copied
+// to kSmemMegaCs for the epilogue; nullptr: q is roped.
 template <int kRound = 8>
 DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta, const float* cs = nullptr) {
   const int chunk = ct & 63;  // (the same chunk of every row this thread loads)
   const bool rope = cs != nullptr && chunk >= kNopeDim / 8;
+  RopeQuad rq{};
+  if (rope) {
+    rq = rope_quad(cs, chunk - kNopeDim / 8);
+    if (ct < 64) {
+      float* st = reinterpret_cast<float*>(smem + kSmemMegaCs) + 4 * (chunk - kNopeDim / 8);
+      *reinterpret_cast<float4*>(st) = rq.c;
+      *reinterpret_cast<float4*>(st + kRopeDim / 2) = rq.s;
+    }
+  }
 #pragma unroll
   for (int i0 = 0; i0 < 16; i0 += kRound) {
     uint4 v[kRound];
@@ -56,7 +66,7 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta
 #pragma unroll
     for (int i = 0; i < kRound; ++i) {
       const int c = ct + kConsumerThreads * (i0 + i);
-      if (rope) v[i] = rope_q_chunk(v[i], cs, chunk - kNopeDim / 8);
+      if (rope) v[i] = rope_q_chunk(v[i], rq);
       *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
     }
   }
@@ -583,15 +593,16 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
 }
 
 // The mega decode's final epilogue in the layout of write_final_staged: O * factor in f32, the inverse RoPE of dims
-// 448..511 (warpgroup 1's n = 24..31) with the row's cos / sin `cs`, then per 32-dim group (4 n-blocks of a
+// 448..511 (warpgroup 1's n = 24..31) with the row's cos / sin (load_q's copy), then per 32-dim group (4 n-blocks of a
 // quad: max by two shuffles) the UE8M0 exponent and the e4m3 values (mega.cuh). Staged in the Q region as
 // [64][512 B] (16-byte chunk c of row r at c ^ (r & 7)) and [64][16 B] of exponents, then stored with coalesced
 // 16-byte writes: out_fp8 / out_scale point at this CTA's head 0. lse as write_final; rows from `rows` on are
 // neither written nor their sink read. kBarAfter: as write_final_staged.
 template <bool kBarAfter>
 DEVFN void write_final_mega_staged(char* smem, const Acc& acc, int w, int lane, uint8_t* out_fp8, uint8_t* out_scale,
-                                   float* lse0, const float* sink0, const float* cs, int rows = kHeadsPerCta) {
+                                   float* lse0, const float* sink0, int rows = kHeadsPerCta) {
   const int g = lane >> 2, t = lane & 3, th = w >> 2;
+  const float* cs = reinterpret_cast<const float*>(smem + kSmemMegaCs);  // (load_q's copy of the row's cos / sin)
   char* stage = smem + kSmemQ;
   char* sstage = stage + kHeadsPerCta * kHeadDim;
 #pragma unroll

@@ -132,6 +132,23 @@ DEVFN void write_empty_piece(const DecodeParams& p, const DecodeWork& wk, int re
   if (ct < rows) p.lse_accum[arow + ct] = -finf();
 }
 
+// The clamped positions of the CTA's first kMegaPositions requests (query token s) into kSmemMegaPos, by the
+// consumers, once per CTA: the segments then find a request's cos / sin row without a dependent global load.
+DEVFN void stage_mega_positions(const DecodeParams& p, const DecodeWork& wk, char* smem, int s, int ct) {
+  int32_t* pos = reinterpret_cast<int32_t*>(smem + kSmemMegaPos);
+  const int n = wk.end_req - wk.begin_req + 1;
+  for (int i = ct; i < n && i < kMegaPositions; i += kConsumerThreads)
+    pos[i] = clamp_pos(ldg_nc_s32(p.positions + (int64_t)(wk.begin_req + i) * p.s_q + s), p.max_pos);
+  bar_sync(kBarConsumers, kConsumerThreads);
+}
+// The cos / sin row of request req's query token s (its staged position, or read from global memory past them).
+DEVFN const float* mega_cs_of(const DecodeParams& p, const DecodeWork& wk, const char* smem, int req, int s) {
+  const int i = req - wk.begin_req;
+  if (i < kMegaPositions)
+    return p.cos_sin + (int64_t)reinterpret_cast<const int32_t*>(smem + kSmemMegaPos)[i] * kRopeDim;
+  return mega_cs_row(p, (int64_t)req * p.s_q + s);
+}
+
 // kMega: the mega decode (mega.cuh; its own kernels, so that the plain decode's registers stay as they are).
 template <bool kMega, class C, class Side>
 DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
@@ -140,6 +157,7 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
   int tc = 0;
   const int ct = thread_idx();
   const int rows = group_rows(p.h_q, group);
+  if constexpr (kMega) stage_mega_positions(p, wk, smem, s, ct);
   for (int req = wk.begin_req; req <= wk.end_req; ++req) {
     const DecodeSeg sg = decode_segment(p, wk, req);
     const int64_t row = (int64_t)req * p.s_q + s;
@@ -151,11 +169,15 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;
-    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct, rows, kMega ? mega_cs_row(p, row) : nullptr);
+    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct, rows,
+                                kMega ? mega_cs_of(p, wk, smem, req, s) : nullptr);
     if (kStagedEpi && req < wk.end_req) {  // the next request's Q rows (64 KB): two 128-byte lines per thread
       const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_q) * kHeadDim);
       if (ct < 8 * rows) prefetch_l2(qn + 128 * ct);
       if (ct + kConsumerThreads < 8 * rows) prefetch_l2(qn + 128 * (ct + kConsumerThreads));
+      // and its cos / sin row (256 B), the position of a staged request read from shared memory
+      if (kMega && (ct & 127) == 0 && req + 1 - wk.begin_req < kMegaPositions)
+        prefetch_l2(reinterpret_cast<const char*>(mega_cs_of(p, wk, smem, req + 1, s)) + (ct >> 7) * 128);
     }
     acc_reset(acc);
     consume_tiles(crew, smem, tc, ntiles, acc, p.scale_log2, w, lane, side);
@@ -177,7 +199,7 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
         if constexpr (kMega)
           write_final_mega_staged<true>(smem, acc, w, lane, p.out_fp8 + head_row * kHeadDim,
                                         p.out_scale + head_row * kOutScales, p.lse + head_row,
-                                        group_sink(p.sink, group), mega_cs_row(p, row), rows);
+                                        group_sink(p.sink, group), rows);
         else
           write_final_staged<false, true>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, nullptr,
                                           group_sink(p.sink, group), rows);

@@ -93,6 +93,8 @@ DEVFN void narrow_load_q(char* smem, const uint16_t* q, int h_q, int ct, const f
   constexpr int kPer = 8 * R;
   const int chunk = ct & 63;  // (the same chunk of every row this thread loads)
   const bool rope = cs != nullptr && chunk >= kNopeDim / 8;
+  RopeQuad rq{};
+  if (rope) rq = rope_quad(cs, chunk - kNopeDim / 8);
   uint4 v[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -102,7 +104,7 @@ DEVFN void narrow_load_q(char* smem, const uint16_t* q, int h_q, int ct, const f
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int c = ct + kNarrowConsumerThreads * i;
-    if (rope) v[i] = rope_q_chunk(v[i], cs, chunk - kNopeDim / 8);
+    if (rope) v[i] = rope_q_chunk(v[i], rq);
     *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
   }
   fence_proxy_async();  // the warpgroup MMAs read Q through the async proxy (a no-op in builds without them)
