@@ -84,6 +84,14 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   e = launch_attention(kernel, p, grid, pair, stream);
   if (e != cudaSuccess) return e;
   if (p.num_slots <= 1) return cudaSuccess;  // a plan without split-KV: every request's CTA wrote its output
+#if !defined(DSV41_FORCE_MMA_SYNC)
+  if (p.no_split && p.mega && !narrow_rows_ok(p.h_pad)) {  // so did a mega decode's staged epilogue (sm_90a's)
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major == 9)
+      return cudaSuccess;
+  }
+#endif
   const long long cgrid = (long long)p.b * p.s_q * ((p.h_q + 7) / 8);
   dsv41_combine_kernel<<<(unsigned)cgrid, kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();

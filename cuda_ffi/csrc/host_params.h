@@ -293,6 +293,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
                                  (has_extra ? (p->extra.topk + kTileTokens - 1) / kTileTokens : 0);
   p->pair = narrow ? 0 : pair_groups(p->num_groups, b, tiles_per_row, parts, mega && mega->batch_invariant ? 1 : slots);
   p->num_slots = (int32_t)slots;
+  p->no_split = slots == 1 || (mega && mega->batch_invariant) ? 1 : 0;
   if (mega) {
     p->mega = 1;
     p->positions = static_cast<const int32_t*>(mega->positions.data);

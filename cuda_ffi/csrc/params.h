@@ -114,6 +114,7 @@ struct DecodeParams {
   // position), the output is inverse-roped and stored as e4m3 with one UE8M0 exponent per 32 dims; out and the
   // bf16 output are unused then.
   int32_t mega;
+  int32_t no_split;          // the plan has no split-KV (batch-invariant): a staged mega epilogue needs no combine
   const int32_t* positions;  // int32 [b * s_q] (clamped to [0, max_pos) on use)
   const float* cos_sin;      // f32 [max_pos, 64]: [cos 32 | sin 32] per position
   int32_t max_pos;

@@ -64,7 +64,9 @@ int dsv41_emu_decode(const dsv41::TensorView* in, const dsv41::TensorView* out, 
                 else run(smem, std::integral_constant<int, dsv41::kFamV4>{});
               }, seed,
               workers, p.pair ? 2 : 1);
-  if (p.num_slots > 1) {
+  // (launch_decode's rule: a batch-invariant mega decode whose staged epilogue wrote every request runs no combine)
+  const bool staged_all = p.no_split && p.mega && dsv41::kWgmma && !dsv41::narrow_rows_ok(p.h_pad);
+  if (p.num_slots > 1 && !staged_all) {
     const int64_t cgrid = (int64_t)p.b * p.s_q * ((p.h_q + 7) / 8);
     emu::launch(cgrid, dsv41::kCombineThreads, 0, [&p](char*) { dsv41::combine_cta(p); }, seed + 1, workers);
   }
