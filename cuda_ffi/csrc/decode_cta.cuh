@@ -260,15 +260,16 @@ template <bool kMega, class C>
 DEVFN void decode_consumers(const DecodeParams& p, const DecodeWork& wk, char* smem, const C& crew, int group,
                             int s, int w, int lane) {
   if constexpr (C::wg1_addr) {
-    if (w >= 4) {
-      Wg1Side side{AddrGen(p, wk, s), smem, crew.rank, lane, w == 4};
-      if (side.on) side.gen.prologue(smem, crew.rank, lane);
-      bar_arrive(kBarAddr, 256);
-      decode_consumer_loop<kMega>(p, wk, smem, crew, group, s, w, lane, side);
-      return;
-    }
+    // Both warpgroups run one copy of the loop (warpgroup 0's side is off): a second copy for warpgroup 0
+    // (NoSide) doubles the consumers' code, and the two no longer fit the instruction cache beside the
+    // producers' (stall_no_inst; benchmarks/RESULTS.md, "one consumer loop").
+    Wg1Side side{AddrGen(p, wk, s), smem, crew.rank, lane, w == 4};
+    if (side.on) side.gen.prologue(smem, crew.rank, lane);
+    if (w >= 4) bar_arrive(kBarAddr, 256);
+    decode_consumer_loop<kMega>(p, wk, smem, crew, group, s, w, lane, side);
+  } else {
+    decode_consumer_loop<kMega>(p, wk, smem, crew, group, s, w, lane, NoSide{});
   }
-  decode_consumer_loop<kMega>(p, wk, smem, crew, group, s, w, lane, NoSide{});
 }
 
 // Grid: num_groups * s_q * num_parts CTAs, head group fastest (CTAs sharing tokens run together;
