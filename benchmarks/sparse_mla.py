@@ -297,6 +297,15 @@ def run_flashmla_case(case, impl: str, iterations: int, breakdown: bool = False,
     return res
 
 
+def _attempt(label: str, run):
+    """run() or, when it raises, None after a FAILED line naming the case (the suite goes on with the next)."""
+    try:
+        return run()
+    except Exception as e:
+        print(f"{label} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        return None
+
+
 def _flashmla_suite(args, impls) -> list[dict]:
     from benchmarks import flashmla_cases as F
 
@@ -304,10 +313,9 @@ def _flashmla_suite(args, impls) -> list[dict]:
     results = []
     for c in cases:
         for impl in impls:
-            try:
-                r = run_flashmla_case(c, impl, args.iterations, breakdown=args.breakdown)
-            except Exception as e:
-                print(f"{c.name:44s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            r = _attempt(f"{c.name:44s} {impl:7s}",
+                         lambda: run_flashmla_case(c, impl, args.iterations, breakdown=args.breakdown))
+            if r is None:
                 continue
             results.append(r)
             noplan = f"  (plan in the call {r['us_noplan']:8.1f} us)" if "us_noplan" in r else ""
@@ -324,10 +332,8 @@ def _step_suite(args, impls) -> list[dict]:
     results = []
     for b in (int(x) for x in args.step_batches.split(",")):
         for impl in impls:
-            try:
-                r = run_step(b, impl, iterations=args.iterations)
-            except Exception as e:
-                print(f"step_v41_flash_b{b} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            r = _attempt(f"step_v41_flash_b{b} {impl:7s}", lambda: run_step(b, impl, iterations=args.iterations))
+            if r is None:
                 continue
             r["case"], r["us"] = f"step_v41_flash_b{b}", r["step_us"]
             results.append(r)
@@ -348,10 +354,9 @@ def _mega_suite(args, impls) -> list[dict]:
     results = []
     for c in cases:
         for impl in impls:
-            try:
-                r = run_mega_case(c, impl, timer, args.sets, args.iterations, breakdown=args.breakdown)
-            except Exception as e:
-                print(f"{c.name:24s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            r = _attempt(f"{c.name:24s} {impl:7s}", lambda: run_mega_case(c, impl, timer, args.sets, args.iterations,
+                                                                         breakdown=args.breakdown))
+            if r is None:
                 continue
             results.append(r)
             print(f"{c.name:24s} {impl:7s} mega {r['mega_us']:9.1f} us  plain decode {r['plain_us']:9.1f} us  "
@@ -411,10 +416,9 @@ def main(argv=None) -> int:
             table = d.attention.decode_impls() if c.op == "decode" else d.attention.prefill_impls()
             if impl not in table:
                 continue
-            try:
-                r = run_case(c, impl, timer, args.sets, args.iterations, breakdown=args.breakdown)
-            except Exception as e:
-                print(f"{c.name:28s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            r = _attempt(f"{c.name:28s} {impl:7s}",
+                         lambda: run_case(c, impl, timer, args.sets, args.iterations, breakdown=args.breakdown))
+            if r is None:
                 continue
             results.append(r)
             print(f"{c.name:28s} {impl:7s} {r['us']:10.1f} us {r['tflops']:8.1f} TFLOP/s ({100 * r['frac_flops']:5.1f}%)"

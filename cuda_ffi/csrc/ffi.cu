@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "host_params.h"
 #include "launch.h"
@@ -116,57 +117,53 @@ ffi::Error PrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
 
 }  // namespace
 
+namespace {
+
+// The operands both decode targets begin with (the mega decode's q is not roped) and the attributes they share.
+template <class B>
+auto decode_args(B&& b) {
+  return std::forward<B>(b)
+      .template Arg<ffi::AnyBuffer>()   // q
+      .template Arg<ffi::AnyBuffer>()   // kv_cache
+      .template Arg<ffi::AnyBuffer>()   // indices
+      .template Arg<ffi::AnyBuffer>()   // topk_length ([0]: topk)
+      .template Arg<ffi::AnyBuffer>()   // attn_sink ([0]: none)
+      .template Arg<ffi::AnyBuffer>()   // tile_scheduler_metadata (the split plan)
+      .template Arg<ffi::AnyBuffer>()   // num_splits
+      .template Arg<ffi::AnyBuffer>()   // extra_kv_cache
+      .template Arg<ffi::AnyBuffer>()   // extra_indices
+      .template Arg<ffi::AnyBuffer>();  // extra_topk_length ([0]: extra topk)
+}
+template <class B>
+auto decode_attrs(B&& b) {
+  return std::forward<B>(b)
+      .template Attr<float>("softmax_scale")
+      .template Attr<int64_t>("kv_format")
+      .template Attr<int64_t>("block_size")
+      .template Attr<int64_t>("has_extra")
+      .template Attr<int64_t>("extra_kv_format")
+      .template Attr<int64_t>("extra_block_size");
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaDecode, DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // kv_cache
-                                  .Arg<ffi::AnyBuffer>()  // indices
-                                  .Arg<ffi::AnyBuffer>()  // topk_length ([0]: topk)
-                                  .Arg<ffi::AnyBuffer>()  // attn_sink ([0]: none)
-                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata (the split plan)
-                                  .Arg<ffi::AnyBuffer>()  // num_splits
-                                  .Arg<ffi::AnyBuffer>()  // extra_kv_cache
-                                  .Arg<ffi::AnyBuffer>()  // extra_indices
-                                  .Arg<ffi::AnyBuffer>()  // extra_topk_length ([0]: extra topk)
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Ret<ffi::AnyBuffer>()  // o_accum
-                                  .Ret<ffi::AnyBuffer>()  // lse_accum
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<int64_t>("kv_format")
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int64_t>("has_extra")
-                                  .Attr<int64_t>("extra_kv_format")
-                                  .Attr<int64_t>("extra_block_size"),
+                              decode_attrs(decode_args(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                               .Ret<ffi::AnyBuffer>()    // out
+                                               .Ret<ffi::AnyBuffer>()    // lse
+                                               .Ret<ffi::AnyBuffer>()    // o_accum
+                                               .Ret<ffi::AnyBuffer>()),  // lse_accum
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaMegaDecode, MegaDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q (not roped)
-                                  .Arg<ffi::AnyBuffer>()  // kv_cache
-                                  .Arg<ffi::AnyBuffer>()  // indices
-                                  .Arg<ffi::AnyBuffer>()  // topk_length ([0]: topk)
-                                  .Arg<ffi::AnyBuffer>()  // attn_sink ([0]: none)
-                                  .Arg<ffi::AnyBuffer>()  // tile_scheduler_metadata (the split plan)
-                                  .Arg<ffi::AnyBuffer>()  // num_splits
-                                  .Arg<ffi::AnyBuffer>()  // extra_kv_cache
-                                  .Arg<ffi::AnyBuffer>()  // extra_indices
-                                  .Arg<ffi::AnyBuffer>()  // extra_topk_length ([0]: extra topk)
-                                  .Arg<ffi::AnyBuffer>()  // positions [b, s_q]
-                                  .Arg<ffi::AnyBuffer>()  // cos_sin_cache [max_pos, 64]
-                                  .Ret<ffi::AnyBuffer>()  // out (e4m3 bytes)
-                                  .Ret<ffi::AnyBuffer>()  // out_scale (UE8M0)
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Ret<ffi::AnyBuffer>()  // o_accum
-                                  .Ret<ffi::AnyBuffer>()  // lse_accum
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<int64_t>("kv_format")
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int64_t>("has_extra")
-                                  .Attr<int64_t>("extra_kv_format")
-                                  .Attr<int64_t>("extra_block_size")
+                              decode_attrs(decode_args(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                               .Arg<ffi::AnyBuffer>()    // positions [b, s_q]
+                                               .Arg<ffi::AnyBuffer>()    // cos_sin_cache [max_pos, 64]
+                                               .Ret<ffi::AnyBuffer>()    // out (e4m3 bytes)
+                                               .Ret<ffi::AnyBuffer>()    // out_scale (UE8M0)
+                                               .Ret<ffi::AnyBuffer>()    // lse
+                                               .Ret<ffi::AnyBuffer>()    // o_accum
+                                               .Ret<ffi::AnyBuffer>())   // lse_accum
                                   .Attr<int64_t>("batch_invariant"),
                               {ffi::Traits::kCmdBufferCompatible});
 
