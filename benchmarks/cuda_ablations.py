@@ -67,7 +67,7 @@ _RECORDS_NO_L1 = (
 # What the per-CTA Q read and output store cost (the prefill's 64-head CTAs hold 8 tiles at top-k 512): Q rows from
 # a constant instead of global memory, the staged output not stored (shared with the decode's CTA; timing only).
 _NO_Q_READ = (("consumer.cuh",
-               "      v[i] = (c >> 6) < rows ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);\n",
+               "      v[i] = (c >> 6) < rows && !skip ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);\n",
                "      v[i] = make_u4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);\n      (void)q, (void)rows;\n"),)
 _NO_OUT_STORE = (("consumer.cuh", "    if (r < rows)\n      *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
                   "          *reinterpret_cast<const uint4*>(stage + r * 1024 + ((c ^ (r & 7)) << 4));\n",
@@ -84,9 +84,9 @@ _L2_EVICT_FIRST = (
 )
 _QO_EVICT_FIRST = (
     ("consumer.cuh",
-     "      v[i] = (c >> 6) < rows ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);\n",
+     "      v[i] = (c >> 6) < rows && !skip ? ldg_nc_v4(q + (c >> 6) * kHeadDim + (c & 63) * 8) : make_u4(0u, 0u, 0u, 0u);\n",
      "      v[i] = make_u4(0u, 0u, 0u, 0u);\n"
-     "      if ((c >> 6) < rows)\n"
+     "      if ((c >> 6) < rows && !skip)\n"
      "        asm volatile(\"ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\" : \"=r\"(v[i].x), \"=r\"(v[i].y), "
      "\"=r\"(v[i].z), \"=r\"(v[i].w) : \"l\"(q + (c >> 6) * kHeadDim + (c & 63) * 8), \"l\"(l2_evict_first()));\n"),
     ("consumer.cuh", "    if (r < rows)\n      *reinterpret_cast<uint4*>(orow0 + (int64_t)r * kHeadDim + 8 * c) =\n"
