@@ -115,10 +115,6 @@ ffi::Error PrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   return ffi::Error::Success();
 }
 
-}  // namespace
-
-namespace {
-
 // The operands both decode targets begin with (the mega decode's q is not roped) and the attributes they share.
 template <class B>
 auto decode_args(B&& b) {
