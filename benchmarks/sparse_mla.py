@@ -4,14 +4,14 @@
                                     [--out bench_out] [--record benchmarks/RESULTS.md] [--breakdown]
     python -m benchmarks.sparse_mla --suite flashmla [--cases decode,prefill,<names>] [--impls cuda]
     python -m benchmarks.sparse_mla --suite step [--step-batches 64,128] [--impls cuda]
-    python -m benchmarks.sparse_mla --suite mega [--cases <names>] [--impls cuda]
+    python -m benchmarks.sparse_mla --suite mega [--cases <names> | mega_decode | mega_prefill] [--impls cuda]
 
 Suites: "default" (the cases below); "flashmla" (FlashMLA's own V4 decode and prefill performance cases
 and inputs, `benchmarks/flashmla_cases.py`, each call after an L2 flush; decode over a plan made once and
 reused, as FlashMLA reuses its metadata, and for "cuda" also with the plan made in the call); "step" (one
-V4.1-Flash decode step's attention, `benchmarks/step_attention.py`); "mega" (the fused mega decode against the
-plain decode and the unfused chain, `benchmarks/mega_decode.py`). `benchmarks/flashmla_compare.py` runs
-the flashmla cases beside FlashMLA itself.
+V4.1-Flash decode step's attention, `benchmarks/step_attention.py`); "mega" (the fused mega decode and prefill
+against the plain decode / prefill and the unfused chain, `benchmarks/mega_decode.py`,
+`benchmarks/mega_prefill.py`). `benchmarks/flashmla_compare.py` runs the flashmla cases beside FlashMLA itself.
 
 Device-side timing with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`: the sum of the
 kernels each call launches, so host dispatch is excluded); wall clock with block_until_ready as a
@@ -347,19 +347,25 @@ def _step_suite(args, impls) -> list[dict]:
 
 def _mega_suite(args, impls) -> list[dict]:
     from benchmarks.mega_decode import MEGA_CASES, run_mega_case
+    from benchmarks.mega_prefill import MEGA_PREFILL_CASES, run_mega_prefill_case
 
     wanted = set(args.cases.split(","))
-    cases = [c for c in MEGA_CASES if c.name in wanted] or MEGA_CASES
+    everything = MEGA_CASES + MEGA_PREFILL_CASES
+    cases = [c for c in everything if c.name in wanted or ("mega_prefill" in wanted and c in MEGA_PREFILL_CASES)
+             or ("mega_decode" in wanted and c in MEGA_CASES)] or everything
     timer, _ = _timer(args.timer)
     results = []
     for c in cases:
+        prefill = c in MEGA_PREFILL_CASES
+        run = run_mega_prefill_case if prefill else run_mega_case
         for impl in impls:
-            r = _attempt(f"{c.name:24s} {impl:7s}", lambda: run_mega_case(c, impl, timer, args.sets, args.iterations,
-                                                                         breakdown=args.breakdown))
+            r = _attempt(f"{c.name:24s} {impl:7s}", lambda: run(c, impl, timer, args.sets, args.iterations,
+                                                               breakdown=args.breakdown))
             if r is None:
                 continue
             results.append(r)
-            print(f"{c.name:24s} {impl:7s} mega {r['mega_us']:9.1f} us  plain decode {r['plain_us']:9.1f} us  "
+            plain = "prefill" if prefill else "decode"
+            print(f"{c.name:24s} {impl:7s} mega {r['mega_us']:9.1f} us  plain {plain} {r['plain_us']:9.1f} us  "
                   f"unfused chain {r['chain_us']:9.1f} us  (mega / plain {r['mega_over_plain']:.3f}, chain / mega "
                   f"{r['chain_over_mega']:.3f})", flush=True)
             for way, kernels in r.get("kernels", {}).items():
@@ -438,7 +444,8 @@ def main(argv=None) -> int:
                     extra = f" (plan in the call: {r['us_noplan']:.1f} us)" if "us_noplan" in r else ""
                     nums = f"{r['us']:.1f}{extra} | {r['tflops']:.1f} | {r['gbps']:.0f}"
                 elif "mega_us" in r:
-                    nums = (f"{r['mega_us']:.1f} (plain decode {r['plain_us']:.1f}, unfused chain {r['chain_us']:.1f}) "
+                    plain = "prefill" if r["op"] == "mega_prefill" else "decode"
+                    nums = (f"{r['mega_us']:.1f} (plain {plain} {r['plain_us']:.1f}, unfused chain {r['chain_us']:.1f}) "
                             f"| - | -")
                 else:  # the step suite
                     nums = (f"{r['us']:.1f} (metadata {r['metadata_us']:.1f}, attention {r['attention_us']:.1f}, "

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from cuda_ffi import build
 from cuda_ffi import ops as _ops
-from cuda_ffi.ops import (DECODE_TARGET, MEGA_DECODE_TARGET, PLAN_TARGET, PREFILL_TARGET, decode_supports,
-                          mega_decode_supports, prefill_supports)
+from cuda_ffi.ops import (DECODE_TARGET, MEGA_DECODE_TARGET, MEGA_PREFILL_TARGET, PLAN_TARGET, PREFILL_TARGET,
+                          decode_supports, mega_decode_supports, mega_prefill_supports, prefill_supports)
 
 __all__ = [
     "library_path",
@@ -48,11 +48,14 @@ __all__ = [
     "decode",
     "mega_decode",
     "prefill",
+    "mega_prefill",
     "decode_supports",
     "mega_decode_supports",
     "prefill_supports",
+    "mega_prefill_supports",
     "DECODE_TARGET",
     "MEGA_DECODE_TARGET",
+    "MEGA_PREFILL_TARGET",
     "PLAN_TARGET",
     "PREFILL_TARGET",
     "EXPORTED_SYMBOLS",
@@ -61,9 +64,10 @@ __all__ = [
     "refresh",
 ]
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 EXPORTED_SYMBOLS = {DECODE_TARGET: "Dsv41SparseMlaDecode", MEGA_DECODE_TARGET: "Dsv41SparseMlaMegaDecode",
-                    PLAN_TARGET: "Dsv41PlanDecodeSplits", PREFILL_TARGET: "Dsv41SparseMlaPrefill"}
+                    PLAN_TARGET: "Dsv41PlanDecodeSplits", PREFILL_TARGET: "Dsv41SparseMlaPrefill",
+                    MEGA_PREFILL_TARGET: "Dsv41SparseMlaMegaPrefill"}
 _DEFAULT_LIB = Path(__file__).resolve().parent / "lib" / build.LIB_NAME
 AUTOBUILD_ENV = "DSV41_CUDA_AUTOBUILD"
 _log = logging.getLogger("dsv41_jax.cuda_ffi")
@@ -240,6 +244,11 @@ def mega_decode(call):
 def prefill(call):
     """The prefill implementation (see `cuda_ffi.ops.prefill`)."""
     return _ops.prefill(call)
+
+
+def mega_prefill(call):
+    """The mega prefill implementation (see `cuda_ffi.ops.mega_prefill`)."""
+    return _ops.mega_prefill(call)
 
 
 def installed() -> bool:

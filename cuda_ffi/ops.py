@@ -16,6 +16,8 @@ Both kernels work on 64-head groups and 64-token tiles, so the wrapper
   (batch-invariant) gets one slot and no combine kernel;
 - prefill: converts kv to f16 (saturating) when `prefill_kv_f16` says the rows are re-read often enough; the
   handler then runs the f16-row kernel (`seesaw.cuh` on sm_90a).
+- the mega ops (`MEGA_DECODE_TARGET`, `MEGA_PREFILL_TARGET`): the decode's or the prefill's operands plus positions
+  and the cos / sin table; the e4m3 output comes back as uint8 bytes, bitcast here.
 Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h_q, 512], lse f32
 [b, s_q, h_q])`, prefill `(out bf16 [s_q, h_q, 512], max_logits f32 [s_q, h_q], lse f32 [s_q, h_q])`.
 """
@@ -35,13 +37,14 @@ from dsv41_jax.kv_cache import LATENT_DIM, f16_rows_pay, to_f16_saturating
 from dsv41_jax.plans import FIXED_OVERHEAD, DecodePlan, make_plans, resolve_planner
 from dsv41_jax.scheduler import num_sm_parts_for
 
-__all__ = ["DECODE_TARGET", "MEGA_DECODE_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM", "GROUP", "FORMAT_CODES",
-           "MAX_PLANS", "decode_supports", "mega_decode_supports", "prefill_supports", "plan_on_device", "call_plan",
-           "prepare_decode", "prepare_mega_decode", "decode", "mega_decode", "prefill_kv_f16", "prepare_prefill",
-           "prefill"]
+__all__ = ["DECODE_TARGET", "MEGA_DECODE_TARGET", "MEGA_PREFILL_TARGET", "PLAN_TARGET", "PREFILL_TARGET", "HEAD_DIM",
+           "GROUP", "FORMAT_CODES", "MAX_PLANS", "decode_supports", "mega_decode_supports", "prefill_supports",
+           "mega_prefill_supports", "plan_on_device", "call_plan", "prepare_decode", "prepare_mega_decode", "decode",
+           "mega_decode", "prefill_kv_f16", "prepare_prefill", "prepare_mega_prefill", "prefill", "mega_prefill"]
 
 DECODE_TARGET = "dsv41_sparse_mla_decode"
 MEGA_DECODE_TARGET = "dsv41_sparse_mla_mega_decode"
+MEGA_PREFILL_TARGET = "dsv41_sparse_mla_mega_prefill"
 PLAN_TARGET = "dsv41_plan_decode_splits"
 PREFILL_TARGET = "dsv41_sparse_mla_prefill"
 HEAD_DIM = LATENT_DIM  # the latent width the kernels are built for
@@ -97,6 +100,12 @@ def mega_decode_supports(call) -> str | None:
 
 
 def prefill_supports(call) -> str | None:
+    return None
+
+
+def mega_prefill_supports(call) -> str | None:
+    """None: the CUDA mega prefill (the prefill kernels with the mega prologue and epilogue) runs every
+    `MegaPrefillCall`."""
     return None
 
 
@@ -334,6 +343,21 @@ def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, t
     return args, attrs, results, dict(h_q=h_q, kv_f16=bool(kv_f16))
 
 
+def prepare_mega_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, tuple, dict]:
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) of a checked `MegaPrefillCall`: the prefill's, plus
+    positions [s_q] and the cos / sin table as arguments, the e4m3 output as uint8 bytes and its exponents in place
+    of out and max_logits."""
+    args, attrs, results, info = prepare_prefill(call.prefill, kv_f16=kv_f16)
+    s_q, h_q, _ = call.prefill.q.shape
+    args = args + (call.positions, call.cos_sin_cache)
+    results = (
+        jax.ShapeDtypeStruct((s_q, h_q, HEAD_DIM), jnp.uint8),
+        jax.ShapeDtypeStruct((s_q, h_q, HEAD_DIM // 32), jnp.uint8),
+        results[2],
+    )
+    return args, attrs, results, info
+
+
 def prefill(call, *, kv_f16: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`impl="cuda"` sparse prefill of a checked `PrefillCall`: `(out, max_logits, lse)`. `kv_f16`: see
     `prepare_prefill`."""
@@ -346,3 +370,19 @@ def prefill(call, *, kv_f16: bool | None = None) -> tuple[jax.Array, jax.Array, 
     args, attrs, results, _ = prepare_prefill(call, kv_f16=kv_f16)
     ensure_registered()
     return tuple(jax.ffi.ffi_call(PREFILL_TARGET, results)(*args, **attrs))
+
+
+def mega_prefill(call, *, kv_f16: bool | None = None):
+    """`impl="cuda"` mega prefill of a checked `MegaPrefillCall`: `(out e4m3 [s_q, h_q, 512], out_scale uint8
+    [s_q, h_q, 16], lse f32 [s_q, h_q])` like the xla reference (`dsv41_jax.sparse_mla.reference.mega_prefill`).
+    `kv_f16`: see `prepare_prefill`."""
+    from cuda_ffi import ensure_registered
+
+    s_q, h_q, d = call.prefill.q.shape
+    if s_q == 0:
+        return (jnp.zeros((0, h_q, d), jnp.float8_e4m3fn), jnp.zeros((0, h_q, d // 32), jnp.uint8),
+                jnp.zeros((0, h_q), jnp.float32))
+    args, attrs, results, _ = prepare_mega_prefill(call, kv_f16=kv_f16)
+    ensure_registered()
+    out, scale, lse = jax.ffi.ffi_call(MEGA_PREFILL_TARGET, results)(*args, **attrs)
+    return jax.lax.bitcast_convert_type(out, jnp.float8_e4m3fn), scale, lse

@@ -259,6 +259,31 @@ def make_decode_case(
 
 
 # ------------------------------------------------------------------------- mega decode cases
+def _cos_sin_of(positions, cos_sin_cache):
+    cs = np.asarray(cos_sin_cache, np.float64)
+    pn = np.clip(np.asarray(positions), 0, cs.shape[0] - 1)
+    return cs[pn, :32][:, None], cs[pn, 32:][:, None]
+
+
+def _roped_q(q, positions, cos_sin_cache) -> np.ndarray:
+    """q [R, h, 512] roped at positions [R] in float32 and rounded to bf16, as the ops rope it (a float64 rotation
+    would round some elements to the neighbouring bf16 value); float64."""
+    cos, sin = _cos_sin_of(positions, cos_sin_cache)
+    q = np.asarray(q, np.float32)
+    a, b = q[..., 448::2].copy(), q[..., 449::2].copy()
+    c32, s32 = cos.astype(np.float32), sin.astype(np.float32)
+    q[..., 448::2], q[..., 449::2] = a * c32 - b * s32, a * s32 + b * c32
+    return _f64(jnp.asarray(q, jnp.bfloat16))
+
+
+def _unroped_out(out: np.ndarray, positions, cos_sin_cache) -> np.ndarray:
+    """The float64 inverse RoPE of out [R, h, 512]'s last 64 dims (in place)."""
+    cos, sin = _cos_sin_of(positions, cos_sin_cache)
+    a, b = out[..., 448::2].copy(), out[..., 449::2].copy()
+    out[..., 448::2], out[..., 449::2] = a * cos + b * sin, -a * sin + b * cos
+    return out
+
+
 @dataclasses.dataclass
 class MegaCase:
     """A `sparse_mla_mega_decode` case: `base` is a decode case of T requests of one query token (its q NOT roped),
@@ -284,16 +309,7 @@ class MegaCase:
     def expected(self):
         """float64 oracle: (out [T, h, 512] after the inverse RoPE, before quantisation; lse [T, h])."""
         c = self.base
-        cs = np.asarray(self.cos_sin_cache, np.float64)
-        pn = np.clip(np.asarray(self.positions), 0, cs.shape[0] - 1)
-        cos, sin = cs[pn, :32][:, None], cs[pn, 32:][:, None]
-        # q is roped in float32 and rounded to bf16, as the ops do (a float64 rotation would round some elements to
-        # the neighbouring bf16 value)
-        q = np.asarray(c.q[:, 0], np.float32)
-        a, b = q[..., 448::2].copy(), q[..., 449::2].copy()
-        c32, s32 = cos.astype(np.float32), sin.astype(np.float32)
-        q[..., 448::2], q[..., 449::2] = a * c32 - b * s32, a * s32 + b * c32
-        q = _f64(jnp.asarray(q, jnp.bfloat16))
+        q = _roped_q(c.q[:, 0], self.positions, self.cos_sin_cache)
         pools = [(dequantized_table(c.kv_cache, c.kv_format, c.block_size), np.asarray(c.indices[:, 0]),
                   np.clip(np.asarray(c.topk_length), 0, c.indices.shape[2]))]
         if c.extra_kv_cache is not None:
@@ -302,9 +318,7 @@ class MegaCase:
                           np.clip(np.asarray(c.extra_topk_length), 0, c.extra_indices.shape[2])))
         sink = None if c.attn_sink is None else np.asarray(c.attn_sink, np.float64)
         out, _, lse = oracle_rows(q, pools, c.softmax_scale, sink)
-        a, b = out[..., 448::2].copy(), out[..., 449::2].copy()
-        out[..., 448::2], out[..., 449::2] = a * cos + b * sin, -a * sin + b * cos
-        return out, lse
+        return _unroped_out(out, self.positions, self.cos_sin_cache), lse
 
 
 def make_mega_case(seed: int, *, b: int = 4, max_pos: int = 512, **kw) -> MegaCase:
@@ -322,18 +336,18 @@ def dequantize_mega_out(out, out_scale) -> np.ndarray:
     return _f64(jnp.asarray(out).astype(jnp.float32)) * np.repeat(2.0 ** (_f64(out_scale) - 127), 32, axis=-1)
 
 
-def assert_mega_close(out, out_scale, lse, expected, what: str = "") -> None:
+def assert_mega_close(out, out_scale, lse, expected, what: str = "", *, kind: str = "decode") -> None:
     """A mega output against the float64 oracle: each dequantised value within e4m3's rounding (2^-4 of |x|, plus half
     the group's subnormal step) of the exact one, widened by FlashMLA's decode tolerance; every exponent the rule's
     for the exact group maximum, or one off where rounding moves that maximum across a power of two; lse with
-    FlashMLA's tolerance."""
+    FlashMLA's tolerance. kind: "decode" or "prefill" (whose tolerances widen the bounds)."""
     e_out, e_lse = expected
     assert out.dtype == jnp.float8_e4m3fn and out.shape == e_out.shape, f"{what}: out {out.dtype} {out.shape}"
     assert out_scale.dtype == jnp.uint8 and out_scale.shape == e_out.shape[:-1] + (16,), f"{what}: {out_scale.shape}"
     deq = dequantize_mega_out(out, out_scale)
     assert np.isfinite(deq).all(), f"{what}: non-finite output values"
     step = np.repeat(2.0 ** (_f64(out_scale) - 127), 32, axis=-1)
-    abs_tol, rel_tol = TOL["decode_out"]
+    abs_tol, rel_tol = TOL[f"{kind}_out"]
     bound = np.abs(e_out) * (2.0**-4 + rel_tol) + step * 2.0**-10 + abs_tol
     bad = np.abs(deq - e_out) > bound
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} values out of bound; first at "
@@ -342,7 +356,7 @@ def assert_mega_close(out, out_scale, lse, expected, what: str = "") -> None:
     rule = np.ceil(np.log2(np.maximum(amax, 1e-4) / 448.0))
     got = _f64(out_scale) - 127
     assert (np.abs(got - rule) <= 1).all() and (got == rule).mean() > 0.97, f"{what}: exponents off the rule"
-    assert_close(lse, e_lse, "decode_lse", what)
+    assert_close(lse, e_lse, f"{kind}_lse", what)
 
 
 MEGA_DECODE_GRID = [
@@ -479,6 +493,55 @@ PREFILL_GRID = [
     ("no_lengths", dict(lengths="none", topk=64, sink="none")),
     ("zero_lengths", dict(lengths="zero", topk=64)),
     ("scale_half", dict(softmax_scale=0.5, topk=128, s_kv=1521, s_q=9)),
+]
+
+
+@dataclasses.dataclass
+class MegaPrefillCase:
+    """A `sparse_mla_mega_prefill` case: `base` is a prefill case (its q NOT roped), positions int32 [s_q] (some past
+    the table, which the ops clamp), cos_sin_cache f32 [max_pos, 64]."""
+
+    base: PrefillCase
+    positions: jnp.ndarray
+    cos_sin_cache: jnp.ndarray
+
+    def args(self):
+        c = self.base
+        return (c.q, self.positions, self.cos_sin_cache, c.kv, c.indices)
+
+    def kwargs(self):
+        return self.base.kwargs()
+
+    def expected(self):
+        """float64 oracle: (out [s_q, h, 512] after the inverse RoPE, before quantisation; lse [s_q, h])."""
+        c = self.base
+        lens = (np.full(c.q.shape[0], c.indices.shape[1]) if c.topk_length is None
+                else np.clip(np.asarray(c.topk_length), 0, c.indices.shape[1]))
+        sink = None if c.attn_sink is None else np.asarray(c.attn_sink, np.float64)
+        q = _roped_q(c.q, self.positions, self.cos_sin_cache)
+        out, _, lse = oracle_rows(q, [(_f64(c.kv), np.asarray(c.indices), lens)], c.softmax_scale, sink)
+        return _unroped_out(out, self.positions, self.cos_sin_cache), lse
+
+
+def make_mega_prefill_case(seed: int, *, max_pos: int = 512, **kw) -> MegaPrefillCase:
+    """`make_prefill_case(seed, **kw)` with positions in [0, max_pos + 40) (past the table: clamped) and a YaRN-free
+    table of theta 160000."""
+    from dsv41_jax.rope import cos_sin_cache
+
+    base = make_prefill_case(seed, **kw)
+    pos = np.random.default_rng(seed + 1000).integers(0, max_pos + 40, size=base.q.shape[0])
+    return MegaPrefillCase(base, jnp.asarray(pos, jnp.int32), cos_sin_cache(max_pos, theta=160000.0))
+
+
+# The mega prefill's grid (CPU through the emulator, and the H200): partial head groups, two groups, empty and
+# all-invalid rows, sinks of +-inf, no lengths.
+MEGA_PREFILL_GRID = [
+    ("h64", dict(s_q=5, h_q=64, s_kv=300, topk=128)),
+    ("h128_sink_inf", dict(s_q=3, h_q=128, s_kv=200, topk=192, sink="inf")),
+    ("h100_partial", dict(s_q=4, h_q=100, s_kv=150, topk=64, invalid_frac=0.3)),
+    ("h8_zero_len", dict(s_q=3, h_q=8, s_kv=128, topk=64, lengths="zero")),
+    ("h16_all_invalid_row", dict(s_q=4, h_q=16, s_kv=128, topk=64, all_invalid_row=True, sink="none")),
+    ("h64_no_lengths", dict(s_q=2, h_q=64, s_kv=60, topk=128, lengths="none")),
 ]
 
 

@@ -13,10 +13,13 @@ import dsv41_jax as d
 from dsv41_jax.rope import apply_inverse_rope, apply_rope, cos_sin_cache
 from tests.attention_cases import (
     DECODE_GRID,
+    MEGA_PREFILL_GRID,
     PREFILL_GRID,
     assert_close,
+    assert_mega_close,
     dequantized_table,
     make_decode_case,
+    make_mega_prefill_case,
     make_prefill_case,
     oracle_rows,
 )
@@ -169,6 +172,25 @@ def test_mega_decode_matches_oracle():
     bound = np.abs(inv) * 2.0**-4 + grp_scale * 2.0**-10 + 2e-3 * np.abs(inv) + 1e-3
     assert np.all(np.abs(deq - inv) <= bound)
     assert_close(lse, e_lse, "decode_lse")
+
+
+@pytest.mark.parametrize("name", [n for n, _ in MEGA_PREFILL_GRID])
+def test_mega_prefill_matches_oracle(name):
+    i = [n for n, _ in MEGA_PREFILL_GRID].index(name)
+    case = make_mega_prefill_case(500 + i, **MEGA_PREFILL_GRID[i][1])
+    out, sc, lse = d.sparse_mla_mega_prefill(*case.args(), **case.kwargs(), impl="xla")
+    assert_mega_close(out, sc, lse, case.expected(), f"xla mega prefill {name}", kind="prefill")
+
+
+def test_mega_prefill_checks_its_rope_arguments():
+    case = make_mega_prefill_case(520, s_q=3, h_q=4, topk=64)
+    q, pos, cs, kv, idx = case.args()
+    with pytest.raises(ValueError, match=r"positions must have shape \(3,\) \(one per query token\), got \(2,\)"):
+        d.sparse_mla_mega_prefill(q, pos[:2], cs, kv, idx, **case.kwargs())
+    with pytest.raises(ValueError, match=r"cos_sin_cache must be \[max_pos, 64\]"):
+        d.sparse_mla_mega_prefill(q, pos, cs[:, :32], kv, idx, **case.kwargs())
+    with pytest.raises(ValueError, match="impl must be one of"):
+        d.sparse_mla_mega_prefill(q, pos, cs, kv, idx, **case.kwargs(), impl="triton")
 
 
 def test_quantize_output_fp8_rule():

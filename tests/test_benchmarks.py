@@ -99,6 +99,17 @@ def test_mega_benchmark_times_the_three_ways_on_one_input():
     assert r["mega_over_plain"] == r["mega_us"] / r["plain_us"]
 
 
+def test_mega_prefill_benchmark_times_the_three_ways_on_one_input():
+    from benchmarks import mega_prefill, sparse_mla
+
+    case = mega_prefill.MegaPrefillCase("tiny", s_q=3, h_q=4, topk=64, s_kv=128, max_pos=256)
+    timer, _ = sparse_mla._timer("wall")
+    r = mega_prefill.run_mega_prefill_case(case, "xla", timer, sets=1, iterations=1)
+    assert r["op"] == "mega_prefill" and r["samples"] == 1
+    assert all(r[k] > 0 for k in ("mega_us", "plain_us", "chain_us"))
+    assert r["chain_over_mega"] == r["chain_us"] / r["mega_us"]
+
+
 def test_gather_ceiling_rows_hold_the_attended_records():
     # benchmarks.gather_ceiling reads each attended record's 576 data bytes as one row of the pool: the rows it
     # picks must be the records the decode attends (valid entries within the lengths, in the decode's order)

@@ -45,12 +45,15 @@ from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call, mak
 from tests.attention_cases import (
     DECODE_GRID,
     MEGA_DECODE_GRID,
+    MEGA_PREFILL_GRID,
     PREFILL_GRID,
     V41_DECODE_GRID,
     MegaCase,
+    MegaPrefillCase,
     assert_close,
     assert_mega_close,
     make_mega_case,
+    make_mega_prefill_case,
     make_decode_case,
     make_prefill_case,
     make_growing_scores_prefill_case,
@@ -1083,6 +1086,104 @@ def test_mega_decode_lowers_to_custom_call(cuda_lib):
         ((3, 64, 512), jnp.float8_e4m3fn), ((3, 64, 16), jnp.uint8), ((3, 64), jnp.float32)]
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "dsv41_sparse_mla_mega_decode" in text and "dsv41_sparse_mla_decode\"" not in text
+
+
+# ------------------------------------------------------------------------------ the mega prefill (emulated)
+def _mega_prefill_call(case: MegaPrefillCase):
+    from dsv41_jax.sparse_mla.base import make_mega_prefill_call
+
+    return make_mega_prefill_call(*case.args(), **case.kwargs())
+
+
+MEGA_PREFILL_IDS = [n for n, _ in MEGA_PREFILL_GRID]
+
+
+# bf16 rows (prefill_cta) and f16 rows (the seesaw CTA in the wgmma build), each consumer build
+@pytest.mark.parametrize("consumer", ["wgmma", "mma_sync"])
+@pytest.mark.parametrize("kv_f16", [False, True])
+@pytest.mark.parametrize("name", MEGA_PREFILL_IDS)
+def test_emulated_mega_prefill_grid(emu, emu_mma_sync, name, kv_f16, consumer):
+    from tests.cuda_emulator.emulate import mega_prefill_emulated
+
+    i = MEGA_PREFILL_IDS.index(name)
+    case = make_mega_prefill_case(500 + i, **MEGA_PREFILL_GRID[i][1])
+    out, scale, lse = mega_prefill_emulated(_mega_prefill_call(case), kv_f16=kv_f16, consumer=consumer)
+    assert_mega_close(out, scale, lse, case.expected(), f"emulated mega prefill {name}", kind="prefill")
+
+
+@pytest.mark.parametrize("consumer", ["wgmma", "mma_sync"])
+@pytest.mark.parametrize("kv_f16,h_q", [(False, 64), (True, 64), (True, 100), (False, 8)])
+def test_emulated_mega_prefill_output_stage_is_exact(emu, emu_mma_sync, kv_f16, h_q, consumer):
+    # As the mega decode's: each query attends to one row with no sink, so the inverse RoPE and the quantisation of
+    # that row (exact in f16: small integers times a power of two) must give these bytes exactly.
+    from tests.cuda_emulator.emulate import mega_prefill_emulated
+
+    case = make_mega_prefill_case(510, s_q=6, h_q=h_q, s_kv=64, topk=64, invalid_frac=0.0, sink="none")
+    rng = np.random.default_rng(511)
+    kv = (rng.integers(-64, 65, size=(64, 512)) * 2.0 ** rng.integers(-6, 3, size=(64, 1))).astype(np.float32)
+    case.base = dataclasses.replace(case.base, kv=jnp.asarray(kv, jnp.bfloat16), topk_length=jnp.ones(6, jnp.int32))
+    rows = kv[np.asarray(case.base.indices[:, 0])]  # [s_q, 512]
+    cs = np.asarray(case.cos_sin_cache)
+    pos = np.clip(np.asarray(case.positions), 0, cs.shape[0] - 1)
+    cos, sin = cs[pos, :32], cs[pos, 32:]
+    a, b = rows[:, 448::2].copy(), rows[:, 449::2].copy()
+    rows[:, 448::2] = a * cos + b * sin
+    rows[:, 449::2] = b * cos - a * sin
+    want_v, want_e = _e4m3_exact(rows)
+    out, scale, _ = mega_prefill_emulated(_mega_prefill_call(case), kv_f16=kv_f16, consumer=consumer)
+    got_v = np.asarray(out).view(np.uint8)
+    for h in (0, h_q - 1):
+        np.testing.assert_array_equal(np.asarray(scale)[:, h], want_e)
+        np.testing.assert_array_equal(got_v[:, h].view(jnp.float8_e4m3fn).astype(np.float32),
+                                      want_v.view(jnp.float8_e4m3fn).astype(np.float32))
+
+
+def test_emulated_mega_prefill_ropes_at_the_positions(emu):
+    # the same call at other positions gives another output: the kernel reads positions (and a wrong rotation is
+    # out of the grid's bounds)
+    from tests.cuda_emulator.emulate import mega_prefill_emulated
+
+    case = make_mega_prefill_case(512, s_q=4, h_q=64, s_kv=128, topk=64)
+    moved = dataclasses.replace(case, positions=(case.positions + 7) % 512)
+    out, scale, lse = mega_prefill_emulated(_mega_prefill_call(moved))
+    assert_mega_close(out, scale, lse, moved.expected(), "mega prefill at moved positions", kind="prefill")
+    with pytest.raises(AssertionError, match="out of bound"):
+        assert_mega_close(out, scale, lse, case.expected(), "", kind="prefill")
+
+
+def test_mega_prefill_handler_checks_name_the_argument(emu):
+    from cuda_ffi import ops as _ops
+    from tests.cuda_emulator.emulate import run_mega_prefill_ffi
+
+    case = make_mega_prefill_case(513, s_q=3, h_q=4, topk=64)
+    args, attrs, results, _ = _ops.prepare_mega_prefill(_mega_prefill_call(case))
+    bad = list(args)
+    bad[5] = bad[5][:2]
+    with pytest.raises(ValueError, match=r"dsv41_sparse_mla_mega_prefill: positions: expected shape \[3\], got \[2\]"):
+        run_mega_prefill_ffi(bad, attrs, results)
+    bad = list(args)
+    bad[6] = bad[6][:, :32]
+    with pytest.raises(ValueError, match=r"cos_sin_cache: expected shape \[\*, 64\], got \[512, 32\]"):
+        run_mega_prefill_ffi(bad, attrs, results)
+    wrong = list(results)
+    wrong[1] = jax.ShapeDtypeStruct((3, 4, 8), jnp.uint8)
+    with pytest.raises(ValueError, match=r"out_scale: expected shape \[3, 4, 16\], got \[3, 4, 8\]"):
+        run_mega_prefill_ffi(args, attrs, wrong)
+    wrong = list(results)
+    wrong[0] = jax.ShapeDtypeStruct((3, 4, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"dsv41_sparse_mla_mega_prefill: out: expected dtype uint8"):
+        run_mega_prefill_ffi(args, attrs, wrong)
+
+
+def test_mega_prefill_lowers_to_custom_call(cuda_lib):
+    from dsv41_jax import sparse_mla_mega_prefill
+
+    case = make_mega_prefill_case(514, s_q=5, h_q=70, s_kv=100, topk=90)
+    traced = jax.jit(lambda *a: sparse_mla_mega_prefill(*a, impl="cuda", **case.kwargs())).trace(*case.args())
+    assert [(tuple(o.shape), o.dtype) for o in traced.out_info] == [
+        ((5, 70, 512), jnp.float8_e4m3fn), ((5, 70, 16), jnp.uint8), ((5, 70), jnp.float32)]
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "dsv41_sparse_mla_mega_prefill" in text and "dsv41_sparse_mla_prefill\"" not in text
 
 
 @pytest.mark.slow

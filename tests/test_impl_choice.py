@@ -18,7 +18,7 @@ import dsv41_jax as d
 from dsv41_jax import kv_cache
 from dsv41_jax.device import DeviceInfo
 from dsv41_jax.sparse_mla import api, base
-from tests.attention_cases import make_decode_case, make_mega_case, make_prefill_case
+from tests.attention_cases import make_decode_case, make_mega_case, make_mega_prefill_case, make_prefill_case
 
 H200 = DeviceInfo("cuda", (9, 0), 132)
 
@@ -41,6 +41,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(cuda_ffi, "installed", lambda: True)
     monkeypatch.setattr(cuda_ffi, "decode", lambda c: None)
     monkeypatch.setattr(cuda_ffi, "mega_decode", lambda c: None)
+    monkeypatch.setattr(cuda_ffi, "mega_prefill", lambda c: None)
     monkeypatch.setattr(cuda_ffi, "prefill", lambda c: None)
 
     def set_probes(cuda=None, pallas=None):
@@ -153,6 +154,27 @@ def test_mega_decode_on_cpu_is_the_reference():
     assert choice.impl == "xla" and not choice.candidates[0].accepted
     auto = d.sparse_mla_mega_decode(*case.args(), **case.kwargs())
     ref = d.sparse_mla_mega_decode(*case.args(), **case.kwargs(), impl="xla")
+    for a, b in zip(auto, ref):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_mega_prefill_runs_the_cuda_kernels_on_hopper(gpu):
+    case = make_mega_prefill_case(6, s_q=3, h_q=8, topk=64)
+    choice = d.explain_impl(d.sparse_mla_mega_prefill, *case.args(), **case.kwargs())
+    assert choice.op == "sparse_mla_mega_prefill" and choice.impl == "cuda", choice
+    pallas = choice.candidates[1]
+    assert not pallas.accepted and "has no sparse_mla_mega_prefill kernel" in pallas.reason
+    with pytest.raises(ValueError, match="impl='pallas' does not support this call: .*has no sparse_mla_mega_prefill"):
+        d.sparse_mla_mega_prefill(*case.args(), **case.kwargs(), impl="pallas")
+    assert d.explain_impl("sparse_mla_mega_prefill", *case.args(), **case.kwargs()).impl == "cuda"
+
+
+def test_mega_prefill_on_cpu_is_the_reference():
+    case = make_mega_prefill_case(7, s_q=3, h_q=4, topk=64)
+    call = d.explain_impl(d.sparse_mla_mega_prefill, *case.args(), **case.kwargs())
+    assert call.impl == "xla" and not call.candidates[0].accepted
+    auto = d.sparse_mla_mega_prefill(*case.args(), **case.kwargs())
+    ref = d.sparse_mla_mega_prefill(*case.args(), **case.kwargs(), impl="xla")
     for a, b in zip(auto, ref):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 

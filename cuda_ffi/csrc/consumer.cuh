@@ -608,49 +608,55 @@ DEVFN void write_final_staged(char* smem, const Acc& acc, int w, int lane, uint1
   if constexpr (kBarAfter) bar_sync(kBarConsumers, kConsumerThreads);
 }
 
-// The mega decode's final epilogue in the layout of write_final_staged: O * factor in f32, the inverse RoPE of dims
-// 448..511 (warpgroup 1's n = 24..31) with the row's cos / sin (load_q's copy), then per 32-dim group (4 n-blocks of a
-// quad: max by two shuffles) the UE8M0 exponent and the e4m3 values (mega.cuh). Staged in the Q region as
-// [64][512 B] (16-byte chunk c of row r at c ^ (r & 7)) and [64][16 B] of exponents, then stored with coalesced
-// 16-byte writes: out_fp8 / out_scale point at this CTA's head 0. lse as write_final; rows from `rows` on are
-// neither written nor their sink read. kBarAfter: as write_final_staged.
+// The mega ops' final epilogue: O * factor in f32, the inverse RoPE of dims 448..511 with the row's cos / sin
+// (load_q's copy), then per 32-dim group (4 n-blocks of a quad: max by two shuffles) the UE8M0 exponent and the e4m3
+// values (mega.cuh). Either O layout (o_row / o_dim: the wgmma one of write_final_staged, the mma.sync one). Staged
+// in the Q region (free once every S is done) as [64][512 B] (16-byte chunk c of row r at c ^ (r & 7)) and
+// [64][16 B] of exponents, then stored with coalesced 16-byte writes: out_fp8 / out_scale point at this CTA's head
+// 0. lse as write_final; rows from `rows` on are neither written nor their sink read. kBarAfter: as
+// write_final_staged.
 template <bool kBarAfter>
 DEVFN void write_final_mega_staged(char* smem, const Acc& acc, int w, int lane, uint8_t* out_fp8, uint8_t* out_scale,
                                    float* lse0, const float* sink0, int rows = kHeadsPerCta) {
-  const int g = lane >> 2, t = lane & 3, th = w >> 2;
+  // This warp's block of dims: kWarpDims wide, wd-th of the row; the roped dims 448..511 are the n-blocks from
+  // kRopeN on of the last block.
+  constexpr int kWarpDims = 8 * kOCols, kLastWd = kHeadDim / kWarpDims - 1, kRopeN = (kNopeDim % kWarpDims) / 8;
+  const int g = lane >> 2, t = lane & 3, wd = kWgmma ? (w >> 2) : w;
   const float* cs = reinterpret_cast<const float*>(smem + kSmemMegaCs);  // (load_q's copy of the row's cos / sin)
   char* stage = smem + kSmemQ;
   char* sstage = stage + kHeadsPerCta * kHeadDim;
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int r = o_row(w, 0, g) + 8 * hr;
-    const FinalRow fr = final_row(smem, r, r < rows ? sink0 : nullptr);
+  for (int rb = 0; rb < kORowBlocks; ++rb)
 #pragma unroll
-    for (int grp = 0; grp < 8; ++grp) {
-      float v[4][2];
-      float amax = 0.f;
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = o_row(w, rb, g) + 8 * hr;
+      const FinalRow fr = final_row(smem, r, r < rows ? sink0 : nullptr);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int n = 4 * grp + k;
-        v[k][0] = acc.o[n][2 * hr] * fr.factor;
-        v[k][1] = acc.o[n][2 * hr + 1] * fr.factor;
-        if (th == 1 && n >= (kNopeDim - 256) / 8) unrope_pair(v[k][0], v[k][1], cs, 4 * (n - (kNopeDim - 256) / 8) + t);
-        amax = fmaxf(amax, fmaxf(fabsf(v[k][0]), fabsf(v[k][1])));
+      for (int grp = 0; grp < kOCols / 4; ++grp) {
+        float v[4][2];
+        float amax = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int n = 4 * grp + k;
+          v[k][0] = acc.o[kOCols * rb + n][2 * hr] * fr.factor;
+          v[k][1] = acc.o[kOCols * rb + n][2 * hr + 1] * fr.factor;
+          if (wd == kLastWd && n >= kRopeN) unrope_pair(v[k][0], v[k][1], cs, 4 * (n - kRopeN) + t);
+          amax = fmaxf(amax, fmaxf(fabsf(v[k][0]), fabsf(v[k][1])));
+        }
+        amax = fmaxf(amax, shfl_xor_f32(amax, 1));
+        amax = fmaxf(amax, shfl_xor_f32(amax, 2));
+        const int e = out_exponent(amax);
+        const float inv = out_inv_scale(e);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int d = kWarpDims * wd + 8 * (4 * grp + k) + 2 * t;  // this pair's dims d, d + 1
+          *reinterpret_cast<uint16_t*>(stage + r * kHeadDim + ((((d >> 4) ^ (r & 7))) << 4) + (d & 15)) =
+              (uint16_t)pack_e4m3x2(v[k][0] * inv, v[k][1] * inv);
+        }
+        if (t == 0) sstage[r * kOutScales + (kWarpDims / kOutGroup) * wd + grp] = (char)out_scale_byte(e);
       }
-      amax = fmaxf(amax, shfl_xor_f32(amax, 1));
-      amax = fmaxf(amax, shfl_xor_f32(amax, 2));
-      const int e = out_exponent(amax);
-      const float inv = out_inv_scale(e);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int d = 256 * th + 8 * (4 * grp + k) + 2 * t;  // this pair's dims d, d + 1
-        *reinterpret_cast<uint16_t*>(stage + r * kHeadDim + ((((d >> 4) ^ (r & 7))) << 4) + (d & 15)) =
-            (uint16_t)pack_e4m3x2(v[k][0] * inv, v[k][1] * inv);
-      }
-      if (t == 0) sstage[r * kOutScales + 8 * th + grp] = (char)out_scale_byte(e);
+      if (wd == 0 && t == 0 && r < rows) lse0[r] = fr.lse_nat;
     }
-    if (th == 0 && t == 0 && r < rows) lse0[r] = fr.lse_nat;
-  }
   bar_sync(kBarConsumers, kConsumerThreads);
   const int ct = thread_idx();
 #pragma unroll

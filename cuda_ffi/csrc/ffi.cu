@@ -3,6 +3,7 @@
 //   Dsv41SparseMlaMegaDecode -> FFI target "dsv41_sparse_mla_mega_decode" (the same kernels, DecodeParams::mega)
 //   Dsv41PlanDecodeSplits  -> FFI target "dsv41_plan_decode_splits"
 //   Dsv41SparseMlaPrefill  -> FFI target "dsv41_sparse_mla_prefill"
+//   Dsv41SparseMlaMegaPrefill -> FFI target "dsv41_sparse_mla_mega_prefill" (the prefill kernels, PrefillParams::mega)
 // All are command-buffer compatible: they only enqueue kernels on XLA's stream, allocate nothing
 // (the split accumulators are extra results) and never synchronise.
 // Decode enqueues the decode kernel over the plan it is given and the combine kernel; the planner
@@ -115,6 +116,22 @@ ffi::Error PrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
   return ffi::Error::Success();
 }
 
+ffi::Error MegaPrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer indices,
+                           ffi::AnyBuffer topk_length, ffi::AnyBuffer attn_sink, ffi::AnyBuffer positions,
+                           ffi::AnyBuffer cos_sin, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> out_scale, ffi::Result<ffi::AnyBuffer> lse,
+                           float softmax_scale) {
+  const dsv41::TensorView in[5] = {view(q), view(kv), view(indices), view(topk_length), view(attn_sink)};
+  const dsv41::TensorView res[3] = {view(*out), dsv41::TensorView{}, view(*lse)};  // (no max_logits)
+  const dsv41::MegaArgs mega{view(positions), view(cos_sin), view(*out_scale), 0};
+  dsv41::PrefillParams p{};
+  std::string err = dsv41::make_prefill_params(in, res, softmax_scale, &p, &mega);
+  if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_sparse_mla_mega_prefill: " + err);
+  cudaError_t e = dsv41::launch_prefill(p, stream);
+  if (e != cudaSuccess) return cuda_error("dsv41_sparse_mla_mega_prefill launch", e);
+  return ffi::Error::Success();
+}
+
 // The operands both decode targets begin with (the mega decode's q is not roped) and the attributes they share.
 template <class B>
 auto decode_args(B&& b) {
@@ -190,5 +207,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaPrefill, PrefillImpl,
                                   .Attr<float>("softmax_scale"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaMegaPrefill, MegaPrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q (not roped)
+                                  .Arg<ffi::AnyBuffer>()  // kv
+                                  .Arg<ffi::AnyBuffer>()  // indices
+                                  .Arg<ffi::AnyBuffer>()  // topk_length
+                                  .Arg<ffi::AnyBuffer>()  // attn_sink
+                                  .Arg<ffi::AnyBuffer>()  // positions [s_q]
+                                  .Arg<ffi::AnyBuffer>()  // cos_sin_cache [max_pos, 64]
+                                  .Ret<ffi::AnyBuffer>()  // out (e4m3 bytes)
+                                  .Ret<ffi::AnyBuffer>()  // out_scale (UE8M0)
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("softmax_scale"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 // Version probe for the Python loader (bumped whenever an FFI signature changes).
-extern "C" int dsv41_cuda_abi_version() { return 4; }
+extern "C" int dsv41_cuda_abi_version() { return 5; }

@@ -199,6 +199,16 @@ struct MegaArgs {
   int64_t batch_invariant;
 };
 
+// The cos / sin table of a mega op: f32 [max_pos, 64], 1 <= max_pos < 2^31.
+inline std::string check_rope_table(const TensorView& cs) {
+  std::string e;
+  if (!(e = expect("cos_sin_cache", cs, DType::kF32, 2)).empty()) return e;
+  if (!(e = expect_dims("cos_sin_cache", cs, {-1, kRopeDim})).empty()) return e;
+  if (cs.dims[0] < 1 || cs.dims[0] > kMaxI32)
+    return cat("cos_sin_cache: expected 1 .. 2^31 - 1 positions, got shape ", shape_str(cs));
+  return "";
+}
+
 // mega: nullptr for the plain decode.
 inline std::string make_decode_params(const TensorView* in /*10*/, const TensorView* out /*4*/, float softmax_scale,
                                       int64_t kv_format, int64_t block_size, int64_t has_extra,
@@ -257,10 +267,7 @@ inline std::string make_decode_params(const TensorView* in /*10*/, const TensorV
   if (mega) {
     if (!(e = expect("positions", mega->positions, DType::kS32, 2)).empty()) return e;
     if (!(e = expect_dims("positions", mega->positions, {b, s_q})).empty()) return e;
-    if (!(e = expect("cos_sin_cache", mega->cos_sin, DType::kF32, 2)).empty()) return e;
-    if (!(e = expect_dims("cos_sin_cache", mega->cos_sin, {-1, kRopeDim})).empty()) return e;
-    if (mega->cos_sin.dims[0] < 1 || mega->cos_sin.dims[0] > kMaxI32)
-      return cat("cos_sin_cache: expected 1 .. 2^31 - 1 positions, got shape ", shape_str(mega->cos_sin));
+    if (!(e = check_rope_table(mega->cos_sin)).empty()) return e;
     if (!(e = expect("out_scale", mega->out_scale, DType::kU8, 4)).empty()) return e;
     if (!(e = expect_dims("out_scale", mega->out_scale, {b, s_q, h, kOutScales})).empty()) return e;
     if (mega->batch_invariant != 0 && mega->batch_invariant != 1)
@@ -367,8 +374,11 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
 // missing heads neither read nor written), kv [s_kv, 512] bf16 or f16, indices [s_q, topk] int32, topk_length
 // [s_q] int32 (or [1]: one for all), attn_sink [h_q] f32 (or [0]: no sink); results out [s_q, h_q, 512] bf16,
 // max_logits and lse [s_q, h_q] f32.
+// mega (the mega prefill; nullptr: the plain one): positions int32 [s_q], cos_sin f32 [max_pos, 64], the result
+// out_scale uint8 [s_q, h_q, 16]; out is then uint8 [s_q, h_q, 512] (the e4m3 bytes) and out[1] (max_logits) is not
+// read. (MegaArgs::batch_invariant does not apply: a prefill has no split-KV.)
 inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorView* out /*3*/, float softmax_scale,
-                                       PrefillParams* p) {
+                                       PrefillParams* p, const MegaArgs* mega = nullptr) {
   const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4];
   std::string e;
   if (!(e = expect("q", q, DType::kBF16, 3)).empty()) return e;
@@ -390,19 +400,35 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   if (!(e = row_lengths("topk_length", tl, s_q, &lengths, &stride)).empty()) return e;
   if (!(e = expect("attn_sink", sink, DType::kF32, 1)).empty()) return e;
   if (sink.dims[0] != 0 && !(e = expect_dims("attn_sink", sink, {h_q})).empty()) return e + " (or [0]: no sink)";
-  if (!(e = expect("out", out[0], DType::kBF16, 3)).empty()) return e;
+  if (!(e = expect("out", out[0], mega ? DType::kU8 : DType::kBF16, 3)).empty()) return e;
   if (!(e = expect_dims("out", out[0], {s_q, h_q, kHeadDim})).empty()) return e;
-  if (!(e = expect("max_logits", out[1], DType::kF32, 2)).empty()) return e;
-  if (!(e = expect_dims("max_logits", out[1], {s_q, h_q})).empty()) return e;
+  if (mega) {
+    if (!(e = expect("positions", mega->positions, DType::kS32, 1)).empty()) return e;
+    if (!(e = expect_dims("positions", mega->positions, {s_q})).empty()) return e;
+    if (!(e = check_rope_table(mega->cos_sin)).empty()) return e;
+    if (!(e = expect("out_scale", mega->out_scale, DType::kU8, 3)).empty()) return e;
+    if (!(e = expect_dims("out_scale", mega->out_scale, {s_q, h_q, kOutScales})).empty()) return e;
+  } else {
+    if (!(e = expect("max_logits", out[1], DType::kF32, 2)).empty()) return e;
+    if (!(e = expect_dims("max_logits", out[1], {s_q, h_q})).empty()) return e;
+  }
   if (!(e = expect("lse", out[2], DType::kF32, 2)).empty()) return e;
   if (!(e = expect_dims("lse", out[2], {s_q, h_q})).empty()) return e;
   const int64_t grid = num_groups * s_q;
   if (grid > kMaxI32) return cat("prefill grid too large: ", grid, " CTAs (ceil(h_q / 64) * s_q)");
   p->q = static_cast<const uint16_t*>(q.data);
   p->sink = sink.dims[0] ? static_cast<const float*>(sink.data) : nullptr;
-  p->out = static_cast<uint16_t*>(out[0].data);
-  p->max_logits = static_cast<float*>(out[1].data);
+  p->out = mega ? nullptr : static_cast<uint16_t*>(out[0].data);
+  p->max_logits = mega ? nullptr : static_cast<float*>(out[1].data);
   p->lse = static_cast<float*>(out[2].data);
+  if (mega) {
+    p->mega = 1;
+    p->positions = static_cast<const int32_t*>(mega->positions.data);
+    p->cos_sin = static_cast<const float*>(mega->cos_sin.data);
+    p->max_pos = (int32_t)mega->cos_sin.dims[0];
+    p->out_fp8 = static_cast<uint8_t*>(out[0].data);
+    p->out_scale = static_cast<uint8_t*>(mega->out_scale.data);
+  }
   p->kv.base = static_cast<const uint8_t*>(kv.data);
   p->kv.page_bytes = kHeadDim * 2;
   p->kv.capacity = kv.dims[0];

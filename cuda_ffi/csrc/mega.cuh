@@ -1,8 +1,9 @@
-// The mega decode's arithmetic (DecodeParams::mega; dsv41_jax.sparse_mla.api.sparse_mla_mega_decode): GPT-J RoPE of
-// q's last 64 dims as Q is loaded, and, on the output, the inverse RoPE and e4m3 quantisation with one UE8M0
-// exponent per 32 dims. The epilogues that use it: write_final_mega_staged (consumer.cuh, the sm_90a one-CTA and
-// pair decode) and the combine (combine_cta.cuh), which finishes every request of the kernels without a staged
-// epilogue (the narrow CTA, the sm_100a mma.sync build): those write each piece, even a request's only one, to the
+// The mega ops' arithmetic (DecodeParams::mega, PrefillParams::mega; dsv41_jax.sparse_mla.api's
+// sparse_mla_mega_decode / sparse_mla_mega_prefill): GPT-J RoPE of q's last 64 dims as Q is loaded, and, on the
+// output, the inverse RoPE and e4m3 quantisation with one UE8M0 exponent per 32 dims. The epilogues that use it:
+// write_final_mega_staged (consumer.cuh: the sm_90a one-CTA and pair decode, and every prefill CTA) and the
+// combine (combine_cta.cuh), which finishes every request of the decode kernels without a staged epilogue (the
+// narrow CTA, the sm_100a mma.sync build): those write each piece, even a request's only one, to the
 // accumulators.
 #pragma once
 
@@ -12,8 +13,10 @@ namespace dsv41 {
 
 DEVFN int32_t clamp_pos(int32_t pos, int32_t max_pos) { return pos < 0 ? 0 : (pos >= max_pos ? max_pos - 1 : pos); }
 
-// cos / sin row of the query row `row` (request * s_q + token) of a mega decode, nullptr otherwise.
-DEVFN const float* mega_cs_row(const DecodeParams& p, int64_t row) {
+// cos / sin row of the query row `row` of a mega decode (request * s_q + token) or prefill (the query token),
+// nullptr otherwise.
+template <class Params>
+DEVFN const float* mega_cs_row(const Params& p, int64_t row) {
   if (!p.mega) return nullptr;
   return p.cos_sin + (int64_t)clamp_pos(ldg_nc_s32(p.positions + row), p.max_pos) * kRopeDim;
 }

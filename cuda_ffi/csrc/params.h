@@ -157,6 +157,14 @@ struct PrefillParams {
   // groups of 64, a last partial group's missing heads as zero Q rows that are never read nor written
   int32_t s_q, h_q, num_groups;
   int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
+  // The mega prefill (mega = 1; mega.cuh), as DecodeParams' mega fields: q is not roped, the output is
+  // inverse-roped e4m3 with UE8M0 exponents; out and max_logits are unused then.
+  int32_t mega;
+  const int32_t* positions;  // int32 [s_q] (clamped to [0, max_pos) on use)
+  const float* cos_sin;      // f32 [max_pos, 64]
+  int32_t max_pos;
+  uint8_t* out_fp8;          // e4m3 [s_q, h_q, 512]
+  uint8_t* out_scale;        // UE8M0 [s_q, h_q, 16]
 };
 
 // Shared-memory map of the attention CTA (bytes from a 1024-aligned base). Q, the K/V tiles and P

@@ -7,10 +7,12 @@ namespace dsv41 {
 
 // One CTA per (query token, 64-head group), group fastest; tiles 0..ceil(len/64)-1 of the
 // query's own indices row over bf16 kv rows. No split: the epilogue writes out, lse and
-// max_logits directly (empty row: out 0, lse +inf, max_logits -inf).
+// max_logits directly (empty row: out 0, lse +inf, max_logits -inf), or the mega output and lse.
 // One CTA per group (the kernel is built with kPair false only): for bf16 rows (no dequantisation) a
 // pair's hand-off costs more than the halved gather saves (benchmarks/RESULTS.md, "cuda pair ablation").
-template <bool kPair>
+// kMega: the mega prefill (PrefillParams::mega; its own kernels, so that the plain prefill's code stays as it is):
+// q roped as it is loaded, the output through write_final_mega_staged.
+template <bool kPair, bool kMega = false>
 DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
   const auto crew = crew_setup<kPair, true>(smem);
@@ -34,12 +36,19 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     Acc acc;
     const int64_t head_row = s * p.h_q + (int64_t)group * kHeadsPerCta;
     const int rows = group_rows(p.h_q, group);
-    if (ntiles > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx(), rows);
+    const float* cs = kMega ? mega_cs_row(p, s) : nullptr;
+    // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy)
+    if (ntiles > 0 || kMega) load_q(smem, p.q + head_row * kHeadDim, thread_idx(), rows, cs);
     acc_reset(acc);
     consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
     publish_row_stats(smem, acc, w, lane);
-    write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
-                group_sink(p.sink, group), rows);
+    if constexpr (kMega)
+      write_final_mega_staged<false>(smem, acc, w, lane, p.out_fp8 + head_row * kHeadDim,
+                                     p.out_scale + head_row * kOutScales, p.lse + head_row, group_sink(p.sink, group),
+                                     rows);
+    else
+      write_final(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row, p.max_logits + head_row,
+                  group_sink(p.sink, group), rows);
   }
   crew_teardown(crew);
 }

@@ -313,6 +313,8 @@ DEVFN void seesaw_publish_stats(char* smem, Acc& acc, int w, int lane) {
   bar_sync(kBarConsumers, kConsumerThreads);
 }
 
+// kMega: the mega prefill (as prefill_cta's).
+template <bool kMega = false>
 DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   char* smem = align_smem(smem_raw);
   const int64_t bid = block_idx();
@@ -339,7 +341,8 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   Acc acc;
   const int64_t head_row = s * p.h_q + (int64_t)group * kHeadsPerCta;
   const int rows = group_rows(p.h_q, group);
-  if (npairs > 0) load_q(smem, p.q + head_row * kHeadDim, thread_idx(), rows);
+  const float* cs = kMega ? mega_cs_row(p, s) : nullptr;
+  if (npairs > 0 || kMega) load_q(smem, p.q + head_row * kHeadDim, thread_idx(), rows, cs);
   acc_reset(acc);
   if (npairs > 0) {
     if (w < 4)
@@ -348,8 +351,13 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
       seesaw_wg1(smem, npairs, acc, p.scale_log2, w, lane);
   }
   seesaw_publish_stats(smem, acc, w, lane);
-  write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
-                                  p.max_logits + head_row, group_sink(p.sink, group), rows);
+  if constexpr (kMega)
+    write_final_mega_staged<false>(smem, acc, w, lane, p.out_fp8 + head_row * kHeadDim,
+                                   p.out_scale + head_row * kOutScales, p.lse + head_row, group_sink(p.sink, group),
+                                   rows);
+  else
+    write_final_staged<true, false>(smem, acc, w, lane, p.out + head_row * kHeadDim, p.lse + head_row,
+                                    p.max_logits + head_row, group_sink(p.sink, group), rows);
 }
 #endif  // DSV41_WGMMA
 

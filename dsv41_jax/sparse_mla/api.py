@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from dsv41_jax.device import DeviceInfo
 from dsv41_jax.plans import DecodePlan
 from dsv41_jax.sparse_mla import reference
-from dsv41_jax.sparse_mla.base import (DecodeCall, MegaDecodeCall, PrefillCall, check_q, check_rope_args,
-                                       make_decode_call, make_mega_decode_call, make_prefill_call)
-from dsv41_jax.sparse_mla.reference import mega_finish, quantize_output_fp8
+from dsv41_jax.sparse_mla.base import (DecodeCall, MegaDecodeCall, MegaPrefillCall, PrefillCall, make_decode_call,
+                                       make_mega_decode_call, make_mega_prefill_call, make_prefill_call)
+from dsv41_jax.sparse_mla.reference import quantize_output_fp8
 from dsv41_jax.sparse_mla.capabilities import AUTO_ORDER, BackendSelectionError, registered_backends, select_backend
 from dsv41_jax.sparse_mla.implementations import (IMPLEMENTATIONS, decode_impls, import_error, installed,
                                                   prefill_impls, unavailable_reason)
@@ -42,6 +42,7 @@ __all__ = [
     "DecodeCall",
     "PrefillCall",
     "MegaDecodeCall",
+    "MegaPrefillCall",
     "ImplCandidate",
     "ImplChoice",
     "AUTO_ORDER",
@@ -67,14 +68,17 @@ def _check_impl(impl: Any) -> str:
     return impl
 
 
-Call = DecodeCall | PrefillCall | MegaDecodeCall
-_OPS = {"decode": "sparse_mla_decode", "prefill": "sparse_mla_prefill", "mega_decode": "sparse_mla_mega_decode"}
+Call = DecodeCall | PrefillCall | MegaDecodeCall | MegaPrefillCall
+_OPS = {"decode": "sparse_mla_decode", "prefill": "sparse_mla_prefill", "mega_decode": "sparse_mla_mega_decode",
+        "mega_prefill": "sparse_mla_mega_prefill"}
 
 
 def _role(call: Call) -> str:
-    """The implementation function a call runs: "decode", "prefill" or "mega_decode"."""
+    """The implementation function a call runs: "decode", "prefill", "mega_decode" or "mega_prefill"."""
     if isinstance(call, MegaDecodeCall):
         return "mega_decode"
+    if isinstance(call, MegaPrefillCall):
+        return "mega_prefill"
     return "decode" if isinstance(call, DecodeCall) else "prefill"
 
 
@@ -102,7 +106,7 @@ class ImplCandidate:
 class ImplChoice:
     """What `impl="auto"` runs for one call and why (`explain_impl`).
 
-    op: "sparse_mla_decode", "sparse_mla_prefill" or "sparse_mla_mega_decode"; device: the default device the choice was made
+    op: "sparse_mla_decode", "sparse_mla_prefill", "sparse_mla_mega_decode" or "sparse_mla_mega_prefill"; device: the default device the choice was made
     for; impl: the implementation that runs (the first accepted candidate); candidates: every
     implementation in `AUTO_ORDER`, each with `select_backend`'s rejections of its backends and its
     kernel's `supports` answer (candidates after the chosen one are weighed too)."""
@@ -130,8 +134,8 @@ def _weigh(name: str, call: DecodeCall | PrefillCall, device: DeviceInfo) -> Imp
         return ImplCandidate("xla", True, "the reference: any device, every format and page size")
     reasons: list[str] = []
     served = None
-    mega = isinstance(call, MegaDecodeCall)
-    dcall = call.decode if mega else call
+    mega = isinstance(call, (MegaDecodeCall, MegaPrefillCall))
+    dcall = call.decode if isinstance(call, MegaDecodeCall) else call
     # decode asks for its cache's format and page size; prefill reads plain bf16 rows
     kv_format, bs = (dcall.kv_format, dcall.block_size) if isinstance(dcall, DecodeCall) else ("auto", None)
     try:
@@ -207,19 +211,19 @@ def _choose(impl: str, call: DecodeCall | PrefillCall):
 def explain_impl(op: Any, /, *args: Any, **kwargs: Any) -> ImplChoice:
     """What `impl="auto"` would run for a call, and why, without running it.
 
-    op: `sparse_mla_decode`, `sparse_mla_prefill` or `sparse_mla_mega_decode` (the function or its name;
-    "decode" / "prefill" too) followed by the op's own arguments, or a `DecodeCall` / `PrefillCall` /
-    `MegaDecodeCall` alone. The arguments
+    op: `sparse_mla_decode`, `sparse_mla_prefill`, `sparse_mla_mega_decode` or `sparse_mla_mega_prefill` (the
+    function or its name; "decode" / "prefill" too) followed by the op's own arguments, or a `DecodeCall` /
+    `PrefillCall` / `MegaDecodeCall` / `MegaPrefillCall` alone. The arguments
     are checked as the op checks them (same errors); `impl` may be given only as "auto". Works under
     `jax.jit` and `jax.eval_shape`, so a call can be asked about with abstract arrays. Returns an
     `ImplChoice`: the chosen implementation and every candidate in `AUTO_ORDER` with its reasons
     (`str()` of it is a readable summary). `impl="auto"` decides through the same function, so asking
     on a GPU without the CUDA library runs its first-use build, as the call would (`cuda_ffi`).
     """
-    if isinstance(op, (DecodeCall, PrefillCall, MegaDecodeCall)):
+    if isinstance(op, (DecodeCall, PrefillCall, MegaDecodeCall, MegaPrefillCall)):
         if args or kwargs:
-            raise TypeError("explain_impl(call) takes a DecodeCall / PrefillCall / MegaDecodeCall alone, without op "
-                            "arguments")
+            raise TypeError("explain_impl(call) takes a DecodeCall / PrefillCall / MegaDecodeCall / MegaPrefillCall "
+                            "alone, without op arguments")
         return _auto_choice(op)
     if op is sparse_mla_decode or (isinstance(op, str) and op in ("sparse_mla_decode", "decode")):
         fn, make = sparse_mla_decode, make_decode_call
@@ -227,9 +231,12 @@ def explain_impl(op: Any, /, *args: Any, **kwargs: Any) -> ImplChoice:
         fn, make = sparse_mla_prefill, make_prefill_call
     elif op is sparse_mla_mega_decode or (isinstance(op, str) and op == "sparse_mla_mega_decode"):
         fn, make = sparse_mla_mega_decode, make_mega_decode_call
+    elif op is sparse_mla_mega_prefill or (isinstance(op, str) and op == "sparse_mla_mega_prefill"):
+        fn, make = sparse_mla_mega_prefill, make_mega_prefill_call
     else:
-        raise ValueError(f"op must be sparse_mla_decode, sparse_mla_prefill or sparse_mla_mega_decode (the function "
-                         f"or its name), or a DecodeCall / PrefillCall / MegaDecodeCall, got {op!r}")
+        raise ValueError(f"op must be sparse_mla_decode, sparse_mla_prefill, sparse_mla_mega_decode or "
+                         f"sparse_mla_mega_prefill (the function or its name), or a DecodeCall / PrefillCall / "
+                         f"MegaDecodeCall / MegaPrefillCall, got {op!r}")
     bound = inspect.signature(fn).bind(*args, **kwargs)  # TypeError naming a missing or unknown argument
     bound.apply_defaults()
     a = dict(bound.arguments)
@@ -372,16 +379,19 @@ def sparse_mla_mega_prefill(
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The mega-attention prefill contract: as `sparse_mla_mega_decode` but over the gathered bf16
-    `kv [s_kv, 512]` and combined indices of `sparse_mla_prefill`. Returns `(out e4m3 [s_q, h_q,
-    512], out_scale uint8 [s_q, h_q, 16], lse f32 [s_q, h_q])`."""
-    impl = _check_impl(impl)
-    if impl not in ("auto", "xla"):
-        raise ValueError(f"sparse_mla_mega_prefill has only the 'xla' implementation, got impl={impl!r}")
-    q = check_q(q, 3, "[s_q, h_q, 512]")
-    pos, cs = check_rope_args(positions, cos_sin_cache, q.shape[0])
-    from dsv41_jax.rope import apply_rope
+    `kv [s_kv, 512]` and combined indices of `sparse_mla_prefill`.
 
-    call = make_prefill_call(apply_rope(q, pos, cs), kv, indices, softmax_scale, attn_sink, topk_length)
+    q: bf16 `[s_q, h_q, 512]`, NOT roped; positions: int32 `[s_q]`; cos_sin_cache: f32 `[max_pos, 64]`
+    (positions are clamped into it). Steps as the mega decode: RoPE of q's last 64 dims (q stays bf16), the
+    sparse prefill, inverse RoPE of the float32 output's last 64 dims, e4m3 with one UE8M0 exponent per 32 dims.
+    Returns `(out float8_e4m3fn [s_q, h_q, 512], out_scale uint8 [s_q, h_q, 16], lse f32 [s_q, h_q])`; a query
+    with no valid token gives out 0 and lse +inf.
+
+    Implementations: "cuda" runs the steps inside the prefill kernels (RoPE as Q is loaded, the output stage in
+    the epilogue); "xla" runs them as jnp ops.
+    """
+    impl = _check_impl(impl)
+    call = make_mega_prefill_call(q, positions, cos_sin_cache, kv, indices, softmax_scale, attn_sink, topk_length)
+    chosen = _choose(impl, call)
     with jax.named_scope("dsv41_sparse_mla_mega_prefill"):
-        out, _, lse = reference.prefill_f32(call)
-        return mega_finish(out, pos, cs, lse)
+        return chosen(call)

@@ -18,8 +18,8 @@ import numpy as np
 from dsv41_jax.kv_cache import LATENT_DIM, NOPE_DIM, ROPE_DIM, canonical_kv_format, page_bytes
 from dsv41_jax.plans import DecodePlan
 
-__all__ = ["DecodeCall", "PrefillCall", "MegaDecodeCall", "make_decode_call", "make_prefill_call",
-           "make_mega_decode_call", "check_rope_args", "check_q", "check_array"]
+__all__ = ["DecodeCall", "PrefillCall", "MegaDecodeCall", "MegaPrefillCall", "make_decode_call", "make_prefill_call",
+           "make_mega_decode_call", "make_mega_prefill_call", "check_rope_args", "check_q", "check_array"]
 
 
 # --------------------------------------------------------------------------- call records
@@ -91,6 +91,16 @@ class MegaDecodeCall:
     [max_pos, 64] (`dsv41_jax.rope.cos_sin_cache`)."""
 
     decode: DecodeCall
+    positions: jax.Array
+    cos_sin_cache: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class MegaPrefillCall:
+    """A checked `sparse_mla_mega_prefill` call: `prefill` is the sparse prefill it runs, over q NOT roped (bf16
+    [s_q, h_q, 512]); positions int32 [s_q]; cos_sin_cache f32 [max_pos, 64]."""
+
+    prefill: PrefillCall
     positions: jax.Array
     cos_sin_cache: jax.Array
 
@@ -289,3 +299,11 @@ def make_mega_decode_call(q, positions, cos_sin_cache, kv_cache, indices, topk_l
                             attn_sink, extra_kv_cache, per_token(eidx), extra_topk_length, extra_kv_format,
                             extra_block_size, plan, batch_invariant)
     return MegaDecodeCall(call, pos, cs)
+
+
+def make_mega_prefill_call(q, positions, cos_sin_cache, kv, indices, softmax_scale, attn_sink,
+                           topk_length) -> MegaPrefillCall:
+    """`sparse_mla_mega_prefill`'s arguments checked: the prefill call over the unroped q, and its RoPE operands."""
+    call = make_prefill_call(q, kv, indices, softmax_scale, attn_sink, topk_length)
+    pos, cs = check_rope_args(positions, cos_sin_cache, call.q.shape[0])
+    return MegaPrefillCall(call, pos, cs)

@@ -191,9 +191,9 @@ FLASHMLA_MEGA_ATTN_DSV41 = BackendSpec(
     kernel_block_sizes=lambda cc: (128,),
     interfaces=("mega",),
     notes="FlashMLA's fused q RoPE + sparse attention + inverse RoPE + fp8 output kernel (SM100 only, no SM90 "
-          "kernel): the seed's flags. No kernel of this library is FlashMLA's; sparse_mla_mega_decode runs "
-          "CUDA_SPARSE_DSV41's fused decode on SM90 (run) and SM100 (compiled only) and the xla reference "
-          "elsewhere; sparse_mla_mega_prefill runs the xla reference.",
+          "kernel): the seed's flags. No kernel of this library is FlashMLA's; sparse_mla_mega_decode and "
+          "sparse_mla_mega_prefill run CUDA_SPARSE_DSV41's fused decode and prefill kernels on SM90 (run) and "
+          "SM100 (compiled only, never run here) and the xla reference elsewhere.",
 )
 
 CUDA_SPARSE_DSV41 = BackendSpec(
@@ -210,8 +210,8 @@ CUDA_SPARSE_DSV41 = BackendSpec(
     notes=("Our CUDA kernels beyond FlashMLA's envelope: bf16 caches, V4.1's mxfp8_ds_mla / nvfp4_ds_mla records "
            "on SM90 (run) and SM100 (compiled only), any page size, any head count (a decode of 1..32 heads runs "
            "unpadded). One decode call reads bf16 / fp8_ds_mla pools or mxfp8_ds_mla / nvfp4_ds_mla pools. The "
-           "mega interface: the fused mega decode (q RoPE, attention, inverse RoPE, e4m3 output in the decode "
-           "kernels); the mega prefill is the xla reference's."),
+           "mega interface: the fused mega decode and prefill (q RoPE, attention, inverse RoPE, e4m3 output inside "
+           "the decode and prefill kernels)."),
 )
 
 PALLAS_SPARSE_DSV41 = BackendSpec(

@@ -8,9 +8,10 @@ package that fails to import is left out with the error as its reason.
 A backend module implements this contract, read by name on every use (so a test can monkeypatch it):
 
 - `decode(call: DecodeCall) -> (out, lse)` and `prefill(call: PrefillCall) -> (out, max_logits, lse)`;
-- optionally `mega_decode(call: MegaDecodeCall) -> (out e4m3, out_scale, lse)` (a module without it has no
-  mega decode kernel);
-- `decode_supports(call)` / `prefill_supports(call)` / `mega_decode_supports(call)` -> None, or why the kernel
+- optionally `mega_decode(call: MegaDecodeCall)` and `mega_prefill(call: MegaPrefillCall)` -> (out e4m3,
+  out_scale, lse) (a module without one has no kernel for that mega op);
+- `decode_supports(call)` / `prefill_supports(call)` / `mega_decode_supports(call)` / `mega_prefill_supports(call)`
+  -> None, or why the kernel
   refuses this call;
 - `installed() -> bool`: the implementation can be traced here (e.g. the CUDA library exists; it
   may still be unable to run on this device, which is what `unavailable_reason` says);

@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv41_jax import kv_cache as kvc
-from dsv41_jax.sparse_mla.base import DecodeCall, MegaDecodeCall, PrefillCall
+from dsv41_jax.sparse_mla.base import DecodeCall, MegaDecodeCall, MegaPrefillCall, PrefillCall
 
 __all__ = ["Pool", "sparse_attention_rows", "decode", "prefill", "decode_f32", "prefill_f32", "mega_decode",
-           "mega_finish", "quantize_output_fp8"]
+           "mega_prefill", "mega_finish", "quantize_output_fp8"]
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -218,3 +218,13 @@ def mega_decode(c: MegaDecodeCall) -> tuple[jax.Array, jax.Array, jax.Array]:
     q = apply_rope(c.decode.q[:, 0], c.positions, c.cos_sin_cache)
     out, lse = decode_f32(dataclasses.replace(c.decode, q=q[:, None]))
     return mega_finish(out[:, 0], c.positions, c.cos_sin_cache, lse[:, 0])
+
+
+def mega_prefill(c: MegaPrefillCall) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sparse_mla_mega_prefill` of a checked call: RoPE of q (kept bf16), the prefill with its output kept float32,
+    `mega_finish`. Returns `(out e4m3 [s_q, h_q, 512], out_scale uint8 [s_q, h_q, 16], lse f32 [s_q, h_q])`."""
+    from dsv41_jax.rope import apply_rope
+
+    q = apply_rope(c.prefill.q, c.positions, c.cos_sin_cache)
+    out, _, lse = prefill_f32(dataclasses.replace(c.prefill, q=q))
+    return mega_finish(out, c.positions, c.cos_sin_cache, lse)

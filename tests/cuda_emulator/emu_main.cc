@@ -27,7 +27,7 @@ int report(const std::string& err, char* errbuf, int errlen) {
 
 extern "C" {
 
-int dsv41_emu_abi_version() { return 4; }
+int dsv41_emu_abi_version() { return 5; }
 
 // host_params.h's choice of head-group pairs for a decode launch (1: 2-CTA clusters).
 int dsv41_emu_pair_groups(int64_t num_groups, int64_t b, int64_t tiles_per_row, int64_t parts, int64_t slots) {
@@ -106,19 +106,29 @@ int dsv41_emu_plan_smem_bytes(const dsv41::TensorView* tl, const dsv41::TensorVi
   return plans.smem_bytes;
 }
 
-// in: 5 tensor views, out: 3 (see make_prefill_params).
-int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out, float softmax_scale, uint64_t seed,
-                      int workers, char* errbuf, int errlen) {
+// in: 5 tensor views, out: 3 (see make_prefill_params). mega: nullptr, or 3 views (positions, cos_sin, out_scale):
+// the mega prefill (out[0] the e4m3 bytes, out[1] not read).
+int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out, float softmax_scale,
+                      const dsv41::TensorView* mega, uint64_t seed, int workers, char* errbuf, int errlen) {
   dsv41::PrefillParams p{};
-  std::string err = dsv41::make_prefill_params(in, out, softmax_scale, &p);
-  if (!err.empty()) return report("dsv41_sparse_mla_prefill: " + err, errbuf, errlen);
+  dsv41::MegaArgs margs{};
+  if (mega) margs = dsv41::MegaArgs{mega[0], mega[1], mega[2], 0};
+  std::string err = dsv41::make_prefill_params(in, out, softmax_scale, &p, mega ? &margs : nullptr);
+  if (!err.empty())
+    return report(std::string(mega ? "dsv41_sparse_mla_mega_prefill: " : "dsv41_sparse_mla_prefill: ") + err, errbuf,
+                  errlen);
   const int64_t grid = (int64_t)p.num_groups * p.s_q;
-  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&p](char* smem) {
+  const auto run = [&p](char* smem, auto mega_tag) {
+    constexpr bool kMega = decltype(mega_tag)::value;
 #if DSV41_WGMMA
-                if (p.kv.fmt == dsv41::kFmtF16) return dsv41::prefill_seesaw_cta(p, smem);
+    if (p.kv.fmt == dsv41::kFmtF16) return dsv41::prefill_seesaw_cta<kMega>(p, smem);
 #endif
-                if (p.pair) dsv41::prefill_cta<true>(p, smem);
-                else dsv41::prefill_cta<false>(p, smem);
+    if (p.pair) dsv41::prefill_cta<true, kMega>(p, smem);
+    else dsv41::prefill_cta<false, kMega>(p, smem);
+  };
+  emu::launch(grid, dsv41::kThreads, dsv41::kSmemLaunchBytes, [&](char* smem) {
+                if (p.mega) run(smem, std::true_type{});
+                else run(smem, std::false_type{});
               }, seed,
               workers, p.pair ? 2 : 1);
   return 0;

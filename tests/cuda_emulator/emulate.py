@@ -4,7 +4,7 @@
 host with sm_90a's wgmma consumers, `libdsv41_emu_mma_sync.so` with sm_100a's mma.sync ones (pick
 with `consumer=`): every CUDA thread is a fiber, warp-collective instructions exchange their operands with
 the PTX fragment semantics, named barriers count arrivals. `decode_emulated(call)` /
-`prefill_emulated(call)` run the same JAX-side preparation as the GPU path (`_ops.prepare_*`:
+`prefill_emulated(call)` (and the mega ops') run the same JAX-side preparation as the GPU path (`_ops.prepare_*`:
 head/topk padding, empty operands for absent lengths and sinks), the same argument checks as the
 FFI handlers (csrc/host_params.h), then the kernels (the split planner when the call brings no plan,
 decode, combine), and slice the results like the GPU path. `plan_emulated` runs the planner kernel
@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -26,8 +27,8 @@ from dsv41_jax.scheduler import num_sm_parts_for
 from tests.cuda_emulator.build import CONSUMERS, LIB_DIR, emulator_name
 
 __all__ = ["EMU_LIB", "EMU_LIBS", "load", "run_decode_ffi", "run_mega_decode_ffi", "run_prefill_ffi",
-           "plan_batch_emulated", "plan_emulated", "emulated_plan", "decode_emulated", "mega_decode_emulated",
-           "prefill_emulated"]
+           "run_mega_prefill_ffi", "plan_batch_emulated", "plan_emulated", "emulated_plan", "decode_emulated",
+           "mega_decode_emulated", "prefill_emulated", "mega_prefill_emulated"]
 
 EMU_LIBS = {c: LIB_DIR / emulator_name(c) for c in CONSUMERS}
 EMU_LIB = EMU_LIBS["wgmma"]
@@ -76,8 +77,8 @@ def load(path: Path | None = None, consumer: str = "wgmma") -> ctypes.CDLL:
         lib.dsv41_emu_plan_smem_bytes.argtypes = lib.dsv41_emu_plan.argtypes[:-3] + [ctypes.c_char_p, ctypes.c_int]
         lib.dsv41_emu_prefill.restype = ctypes.c_int
         lib.dsv41_emu_prefill.argtypes = [
-            ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.c_uint64, ctypes.c_int,
-            ctypes.c_char_p, ctypes.c_int]
+            ctypes.POINTER(TensorView), ctypes.POINTER(TensorView), ctypes.c_float, ctypes.POINTER(TensorView),
+            ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         _libs[consumer] = lib
     return _libs[consumer]
 
@@ -184,7 +185,25 @@ def run_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, co
     ins = [_np(a) for a in args]
     outs = [_poisoned(r) for r in results]
     err = ctypes.create_string_buffer(4096)
-    rc = lib.dsv41_emu_prefill(_views(ins), _views(outs), float(attrs["softmax_scale"]), seed, workers, err, len(err))
+    rc = lib.dsv41_emu_prefill(_views(ins), _views(outs), float(attrs["softmax_scale"]), None, seed, workers, err,
+                               len(err))
+    if rc:
+        raise ValueError(err.value.decode())
+    return outs
+
+
+def run_mega_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma"):
+    """The mega prefill FFI call's contract on host arrays (`_ops.prepare_mega_prefill`'s): returns the 3 result
+    arrays (out bytes, out_scale, lse)."""
+    lib = load(consumer=consumer)
+    ins = [_np(a) for a in args]
+    outs = [_poisoned(r) for r in results]
+    err = ctypes.create_string_buffer(4096)
+    # the kernels' order: (out, max_logits: not read, lse) and the mega views (positions, cos_sin, out_scale)
+    pre_outs = [outs[0], np.zeros((0,), np.float32), outs[2]]
+    mega = [ins[5], ins[6], outs[1]]
+    rc = lib.dsv41_emu_prefill(_views(ins[:5]), _views(pre_outs), float(attrs["softmax_scale"]), _views(mega), seed,
+                               workers, err, len(err))
     if rc:
         raise ValueError(err.value.decode())
     return outs
@@ -233,3 +252,11 @@ def prefill_emulated(call, *, seed: int = 1, workers: int = 0, consumer: str = "
     args, attrs, results, _ = _ops.prepare_prefill(call, kv_f16=kv_f16)
     out, ml, lse = run_prefill_ffi(args, attrs, results, seed=seed, workers=workers, consumer=consumer)
     return jnp.asarray(out), jnp.asarray(ml), jnp.asarray(lse)
+
+
+def mega_prefill_emulated(call, *, seed: int = 1, workers: int = 0, consumer: str = "wgmma", kv_f16: bool | None = None):
+    """(out e4m3 [s_q, h_q, 512], out_scale, lse) of the CUDA mega prefill of a `MegaPrefillCall`, computed by the
+    emulator (`kv_f16` as `prefill_emulated`)."""
+    args, attrs, results, _ = _ops.prepare_mega_prefill(call, kv_f16=kv_f16)
+    out, scale, lse = run_mega_prefill_ffi(args, attrs, results, seed=seed, workers=workers, consumer=consumer)
+    return jax.lax.bitcast_convert_type(jnp.asarray(out), jnp.float8_e4m3fn), jnp.asarray(scale), jnp.asarray(lse)

@@ -1,7 +1,6 @@
 """Three cuda decodes (fp8 main + extra cache, split plan; h 64, and h 128 and 100 as 2-CTA pairs), the V4.1 decodes,
-four mega decodes and two
-prefills (bf16 rows: prefill_cta, h 40; f16 rows: the seesaw CTA, h 100: two head groups, the last partial;
-varying lengths), for
+four mega decodes, two prefills (bf16 rows: prefill_cta, h 40; f16 rows: the seesaw CTA, h 100: two head groups,
+the last partial; varying lengths) and two mega prefills of the same kinds, for
 `compute-sanitizer --tool memcheck python -m tests.cuda_emulator.sanitize_case` (benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
@@ -53,7 +52,16 @@ def main() -> int:
                               extra=dict(topk=128, block_size=2, fmt="nvfp4_ds_mla"))
         res = jax.block_until_ready(d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs(), impl="cuda"))
         assert_mega_close(*res, mega.expected(), f"sanitizer mega decode ({h} heads, {b} tokens)")
-    print("sanitize_case: decodes, mega decodes and prefills ran and matched the oracle", np.asarray(out).shape)
+    # the mega prefill over both prefill kernels, partial last groups (its staged epilogue writes rows < h only)
+    from tests.attention_cases import make_mega_prefill_case
+
+    for rows, h in (("bf16", 40), ("f16", 100)):
+        mp = make_mega_prefill_case(30 + h, s_q=7, h_q=h, topk=256, s_kv=300)
+        with mock.patch.object(_ops, "prefill_kv_f16", lambda *a, f16=rows == "f16": f16):
+            res = jax.block_until_ready(d.sparse_mla_mega_prefill(*mp.args(), **mp.kwargs(), impl="cuda"))
+        assert_mega_close(*res, mp.expected(), f"sanitizer mega prefill ({rows} rows, {h} heads)", kind="prefill")
+    print("sanitize_case: decodes, mega decodes, prefills and mega prefills ran and matched the oracle",
+          np.asarray(out).shape)
     return 0
 
 

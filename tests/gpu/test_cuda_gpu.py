@@ -16,7 +16,8 @@ Run on the GPU machine from the repository root:
   when made for longer lengths); batch_invariant=True is bitwise invariant to the batch;
 - the mega decode (`sparse_mla_mega_decode(impl="cuda")`: q RoPE, attention, inverse RoPE and e4m3 output in the
   kernels) over its grid and at batches where requests run unsplit (the staged epilogue), against the oracle, and
-  bitwise batch-invariant.
+  bitwise batch-invariant; the mega prefill (`sparse_mla_mega_prefill(impl="cuda")`) over its grid and at s_q 700,
+  both prefill kernels, against the oracle and the xla reference.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from dsv41_jax.sparse_mla.base import make_decode_call as _make_decode_call  # n
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
     MEGA_DECODE_GRID,
+    MEGA_PREFILL_GRID,
     PREFILL_GRID,
     V41_DECODE_GRID,
     MegaCase,
     assert_close,
     assert_mega_close,
     make_mega_case,
+    make_mega_prefill_case,
     make_decode_case,
     make_prefill_case,
     make_growing_scores_prefill_case,
@@ -399,6 +402,31 @@ def test_mega_decode_batch_invariant_on_device():
     for x, y in zip(whole, part):
         np.testing.assert_array_equal(np.asarray(x)[:2].view(np.uint8), np.asarray(y).view(np.uint8))
     assert_mega_close(*whole, case.expected(), "cuda batch-invariant mega decode")
+
+
+MEGA_PREFILL_IDS = [n for n, _ in MEGA_PREFILL_GRID]
+
+
+def _mega_prefill(case, impl="cuda"):
+    from dsv41_jax import sparse_mla_mega_prefill
+
+    return jax.jit(lambda *a: sparse_mla_mega_prefill(*a, impl=impl, **case.kwargs()))(*case.args())
+
+
+@pytest.mark.parametrize("name", MEGA_PREFILL_IDS)
+def test_mega_prefill_grid_on_device(name, kv_rows):
+    i = MEGA_PREFILL_IDS.index(name)
+    case = make_mega_prefill_case(500 + i, **MEGA_PREFILL_GRID[i][1])
+    assert_mega_close(*_mega_prefill(case), case.expected(), f"cuda mega prefill {name}", kind="prefill")
+
+
+def test_mega_prefill_large_sq_on_device(kv_rows):
+    case = make_mega_prefill_case(532, s_q=700, h_q=128, s_kv=1521, topk=512, sink="inf", max_pos=4096)
+    got = _mega_prefill(case)
+    assert_mega_close(*got, case.expected(), "cuda mega prefill s_q 700 h 128", kind="prefill")
+    ref = _mega_prefill(case, impl="xla")
+    same = np.asarray(got[1]) == np.asarray(ref[1])
+    assert same.mean() > 0.99, f"exponents equal to the reference's: {same.mean():.4f}"
 
 
 def test_lazy_rescaling_on_device(kv_rows):
