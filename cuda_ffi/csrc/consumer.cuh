@@ -40,19 +40,20 @@ DEVFN void acc_reset(Acc& a) {
 // into the swizzled tile layout; rows from `rows` on (a last group of fewer than 64 heads) are zero, never read.
 // Called by all 256 consumer threads; ends with the consumer barrier.
 // kRound: loads in flight per thread (16: one latency instead of two, for callers with the registers free).
-// cs: the mega decode's cos / sin row (mega.cuh): the 8 chunks of dims 448..511 of every row are roped with it, and
-// it is copied to kSmemMegaCs for the epilogue; nullptr: q is roped. The roped chunks are a second pass of
+// kRope, cs: the mega ops' cos / sin row (mega.cuh): the 8 chunks of dims 448..511 of every row are roped with it, and
+// it is copied to kSmemMegaCs for the epilogue (not kRope: q is roped, cs unused). A compile-time flag, so that no
+// Q load waits on the address of the row. The roped chunks are a second pass of
 // two per thread (chunk 56 + (ct & 7), one cos / sin quad per thread) beside the first's 16 unroped ones: roping
 // in the first pass would make an eighth of each warp's lanes diverge over 16 unrolled chunks, code that keeps
 // the producers' loop out of the instruction cache.
-template <int kRound = 8>
+template <int kRound = 8, bool kRope = false>
 DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta, const float* cs = nullptr) {
   const int chunk = ct & 63;  // (the same chunk of every row this thread loads)
-  const bool skip = cs != nullptr && chunk >= kNopeDim / 8;  // (the second pass's)
+  const bool skip = kRope && chunk >= kNopeDim / 8;  // (the second pass's)
   constexpr int kRoped = kHeadsPerCta * (kRopeDim / 8) / kConsumerThreads;  // 2 chunks per thread
   const int rj = ct & 7;                                                    // their quad
   uint4 r[kRoped];
-  if (cs != nullptr) {
+  if constexpr (kRope) {
 #pragma unroll
     for (int k = 0; k < kRoped; ++k) {
       const int row = (ct + kConsumerThreads * k) >> 3;
@@ -73,7 +74,7 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta
       if (!skip) *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
     }
   }
-  if (cs != nullptr) {  // (the cos / sin quad after the Q loads: it must not hold them back)
+  if constexpr (kRope) {  // (the cos / sin quad after the Q loads: it must not hold them back)
     const RopeQuad rq = rope_quad(cs, rj);
     if (ct < 8) {
       float* st = reinterpret_cast<float*>(smem + kSmemMegaCs) + 4 * rj;

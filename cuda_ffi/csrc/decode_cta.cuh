@@ -169,8 +169,8 @@ DEVFN void decode_consumer_loop(const DecodeParams& p, const DecodeWork& wk, cha
       continue;
     }
     const int ntiles = sg.blk1 - sg.blk0;
-    load_q<kStagedEpi ? 16 : 8>(smem, p.q + head_row * kHeadDim, ct, rows,
-                                kMega ? mega_cs_of(p, wk, smem, req, s) : nullptr);
+    load_q<kStagedEpi ? 16 : 8, kMega>(smem, p.q + head_row * kHeadDim, ct, rows,
+                                       kMega ? mega_cs_of(p, wk, smem, req, s) : nullptr);
     if (kStagedEpi && req < wk.end_req) {  // the next request's Q rows (64 KB): two 128-byte lines per thread
       const char* qn = reinterpret_cast<const char*>(p.q + (head_row + (int64_t)p.s_q * p.h_q) * kHeadDim);
       if (ct < 8 * rows) prefetch_l2(qn + 128 * ct);

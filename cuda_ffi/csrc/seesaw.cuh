@@ -321,6 +321,9 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;
   const int w = warp_idx(), lane = lane_idx();
+  // (a mega CTA's position first: its load is in flight through the set-up, so load_q's cos / sin row waits on one
+  // load, not two)
+  const int32_t pos = kMega ? ldg_nc_s32(p.positions + s) : 0;
   if (thread_idx() == 0) {
     for (int b = 0; b < 2; ++b)
       for (int h = 0; h < 2; ++h) {
@@ -341,8 +344,9 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   Acc acc;
   const int64_t head_row = s * p.h_q + (int64_t)group * kHeadsPerCta;
   const int rows = group_rows(p.h_q, group);
-  const float* cs = kMega ? mega_cs_row(p, s) : nullptr;
-  if (npairs > 0 || kMega) load_q(smem, p.q + head_row * kHeadDim, thread_idx(), rows, cs);
+  // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy)
+  if (npairs > 0 || kMega)
+    load_q<8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows, kMega ? mega_cs_at(p, pos) : nullptr);
   acc_reset(acc);
   if (npairs > 0) {
     if (w < 4)
