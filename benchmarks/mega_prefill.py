@@ -1,7 +1,7 @@
 """The mega prefill against the plain prefill and the unfused chain, on the same inputs (`--suite mega`).
 
-A V4.1 prefill chunk (s_q query tokens attending top-k rows of a gathered bf16 kv of s_kv rows, sinks on, as
-FlashMLA's V4 prefill cases), three ways:
+A V4.1 prefill chunk (s_q query tokens at consecutive positions attending top-k rows of a gathered bf16 kv of s_kv
+rows, sinks on, as FlashMLA's V4 prefill cases), three ways:
 
 - "mega": `sparse_mla_mega_prefill(impl=...)` (q unroped in; e4m3 out with UE8M0 exponents);
 - "plain": `sparse_mla_prefill(impl=...)` of the same call, q as it comes (bf16 out: the prefill alone);
@@ -71,7 +71,8 @@ def run_mega_prefill_case(case: MegaPrefillCase, impl: str, timer, sets: int, it
         q = jax.random.normal(kq, (case.s_q, case.h_q, 512), jnp.float32).astype(jnp.bfloat16)
         kv = jax.random.normal(kk, (case.s_kv, 512), jnp.float32).astype(jnp.bfloat16)
         idx = jax.random.randint(ki, (case.s_q, case.topk), 0, case.s_kv).astype(jnp.int32)
-        pos = jax.random.randint(kp, (case.s_q,), 0, case.max_pos).astype(jnp.int32)
+        # a prefill chunk's tokens sit at consecutive positions
+        pos = (jax.random.randint(kp, (), 0, case.max_pos - case.s_q) + jnp.arange(case.s_q)).astype(jnp.int32)
         args = (q, pos, kv, idx)
         for name, f in fns.items():
             times[name] += timer(f, args, iterations)

@@ -16,8 +16,9 @@ Both kernels work on 64-head groups and 64-token tiles, so the wrapper
   (batch-invariant) gets one slot and no combine kernel;
 - prefill: converts kv to f16 (saturating) when `prefill_kv_f16` says the rows are re-read often enough; the
   handler then runs the f16-row kernel (`seesaw.cuh` on sm_90a).
-- the mega ops (`MEGA_DECODE_TARGET`, `MEGA_PREFILL_TARGET`): the decode's or the prefill's operands plus positions
-  and the cos / sin table; the e4m3 output comes back as uint8 bytes, bitcast here.
+- the mega ops (`MEGA_DECODE_TARGET`, `MEGA_PREFILL_TARGET`): the decode's operands plus positions and the cos / sin
+  table, or the prefill's plus each query's cos / sin row (one small gather in XLA); the e4m3 output comes back as
+  uint8 bytes, bitcast here.
 Results are exactly what the xla reference returns: decode `(out bf16 [b, s_q, h_q, 512], lse f32
 [b, s_q, h_q])`, prefill `(out bf16 [s_q, h_q, 512], max_logits f32 [s_q, h_q], lse f32 [s_q, h_q])`.
 """
@@ -344,12 +345,14 @@ def prepare_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, t
 
 
 def prepare_mega_prefill(call, *, kv_f16: bool | None = None) -> tuple[tuple, dict, tuple, dict]:
-    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) of a checked `MegaPrefillCall`: the prefill's, plus
-    positions [s_q] and the cos / sin table as arguments, the e4m3 output as uint8 bytes and its exponents in place
-    of out and max_logits."""
+    """(ffi args, ffi attrs, result ShapeDtypeStructs, info) of a checked `MegaPrefillCall`: the prefill's, plus each
+    query's cos / sin row (the table gathered at its clamped position: a prefill CTA is one query token, and a
+    position-then-row load at its start would be a latency it cannot hide) as arguments, the e4m3 output as uint8
+    bytes and its exponents in place of out and max_logits."""
     args, attrs, results, info = prepare_prefill(call.prefill, kv_f16=kv_f16)
     s_q, h_q, _ = call.prefill.q.shape
-    args = args + (call.positions, call.cos_sin_cache)
+    cs = call.cos_sin_cache
+    args = args + (jnp.take(cs, jnp.clip(call.positions, 0, cs.shape[0] - 1), axis=0),)
     results = (
         jax.ShapeDtypeStruct((s_q, h_q, HEAD_DIM), jnp.uint8),
         jax.ShapeDtypeStruct((s_q, h_q, HEAD_DIM // 32), jnp.uint8),

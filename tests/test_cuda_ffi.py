@@ -1159,11 +1159,16 @@ def test_mega_prefill_handler_checks_name_the_argument(emu):
     args, attrs, results, _ = _ops.prepare_mega_prefill(_mega_prefill_call(case))
     bad = list(args)
     bad[5] = bad[5][:2]
-    with pytest.raises(ValueError, match=r"dsv41_sparse_mla_mega_prefill: positions: expected shape \[3\], got \[2\]"):
+    with pytest.raises(ValueError, match=r"dsv41_sparse_mla_mega_prefill: cos_sin_rows: expected shape \[3, 64\], "
+                                         r"got \[2, 64\]"):
         run_mega_prefill_ffi(bad, attrs, results)
     bad = list(args)
-    bad[6] = bad[6][:, :32]
-    with pytest.raises(ValueError, match=r"cos_sin_cache: expected shape \[\*, 64\], got \[512, 32\]"):
+    bad[5] = bad[5][:, :32]
+    with pytest.raises(ValueError, match=r"cos_sin_rows: expected shape \[3, 64\], got \[3, 32\]"):
+        run_mega_prefill_ffi(bad, attrs, results)
+    bad = list(args)
+    bad[5] = np.asarray(bad[5]).astype(np.float16)
+    with pytest.raises(ValueError, match=r"cos_sin_rows: expected dtype float32"):
         run_mega_prefill_ffi(bad, attrs, results)
     wrong = list(results)
     wrong[1] = jax.ShapeDtypeStruct((3, 4, 8), jnp.uint8)

@@ -117,13 +117,13 @@ ffi::Error PrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
 }
 
 ffi::Error MegaPrefillImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer indices,
-                           ffi::AnyBuffer topk_length, ffi::AnyBuffer attn_sink, ffi::AnyBuffer positions,
-                           ffi::AnyBuffer cos_sin, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::AnyBuffer topk_length, ffi::AnyBuffer attn_sink, ffi::AnyBuffer cos_sin_rows,
+                           ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> out_scale, ffi::Result<ffi::AnyBuffer> lse,
                            float softmax_scale) {
   const dsv41::TensorView in[5] = {view(q), view(kv), view(indices), view(topk_length), view(attn_sink)};
   const dsv41::TensorView res[3] = {view(*out), dsv41::TensorView{}, view(*lse)};  // (no max_logits)
-  const dsv41::MegaArgs mega{view(positions), view(cos_sin), view(*out_scale), 0};
+  const dsv41::MegaPrefillArgs mega{view(cos_sin_rows), view(*out_scale)};
   dsv41::PrefillParams p{};
   std::string err = dsv41::make_prefill_params(in, res, softmax_scale, &p, &mega);
   if (!err.empty()) return ffi::Error::InvalidArgument("dsv41_sparse_mla_mega_prefill: " + err);
@@ -215,8 +215,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Dsv41SparseMlaMegaPrefill, MegaPrefillImpl,
                                   .Arg<ffi::AnyBuffer>()  // indices
                                   .Arg<ffi::AnyBuffer>()  // topk_length
                                   .Arg<ffi::AnyBuffer>()  // attn_sink
-                                  .Arg<ffi::AnyBuffer>()  // positions [s_q]
-                                  .Arg<ffi::AnyBuffer>()  // cos_sin_cache [max_pos, 64]
+                                  .Arg<ffi::AnyBuffer>()  // cos_sin_rows [s_q, 64] (the table at each position)
                                   .Ret<ffi::AnyBuffer>()  // out (e4m3 bytes)
                                   .Ret<ffi::AnyBuffer>()  // out_scale (UE8M0)
                                   .Ret<ffi::AnyBuffer>()  // lse

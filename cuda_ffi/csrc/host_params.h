@@ -374,11 +374,16 @@ inline std::string make_plan_params(const TensorView& tl, const TensorView& etl,
 // missing heads neither read nor written), kv [s_kv, 512] bf16 or f16, indices [s_q, topk] int32, topk_length
 // [s_q] int32 (or [1]: one for all), attn_sink [h_q] f32 (or [0]: no sink); results out [s_q, h_q, 512] bf16,
 // max_logits and lse [s_q, h_q] f32.
-// mega (the mega prefill; nullptr: the plain one): positions int32 [s_q], cos_sin f32 [max_pos, 64], the result
-// out_scale uint8 [s_q, h_q, 16]; out is then uint8 [s_q, h_q, 512] (the e4m3 bytes) and out[1] (max_logits) is not
-// read. (MegaArgs::batch_invariant does not apply: a prefill has no split-KV.)
+// The mega prefill's extra operands (PrefillParams::mega): each query token's cos / sin row, f32 [s_q, 64] (the table
+// gathered at its position), and the result out_scale uint8 [s_q, h_q, 16] (out is then uint8 [s_q, h_q, 512], the
+// e4m3 bytes; max_logits is not a result).
+struct MegaPrefillArgs {
+  TensorView cos_sin_rows, out_scale;
+};
+
+// mega: nullptr for the plain prefill.
 inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorView* out /*3*/, float softmax_scale,
-                                       PrefillParams* p, const MegaArgs* mega = nullptr) {
+                                       PrefillParams* p, const MegaPrefillArgs* mega = nullptr) {
   const TensorView &q = in[0], &kv = in[1], &idx = in[2], &tl = in[3], &sink = in[4];
   std::string e;
   if (!(e = expect("q", q, DType::kBF16, 3)).empty()) return e;
@@ -403,9 +408,8 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   if (!(e = expect("out", out[0], mega ? DType::kU8 : DType::kBF16, 3)).empty()) return e;
   if (!(e = expect_dims("out", out[0], {s_q, h_q, kHeadDim})).empty()) return e;
   if (mega) {
-    if (!(e = expect("positions", mega->positions, DType::kS32, 1)).empty()) return e;
-    if (!(e = expect_dims("positions", mega->positions, {s_q})).empty()) return e;
-    if (!(e = check_rope_table(mega->cos_sin)).empty()) return e;
+    if (!(e = expect("cos_sin_rows", mega->cos_sin_rows, DType::kF32, 2)).empty()) return e;
+    if (!(e = expect_dims("cos_sin_rows", mega->cos_sin_rows, {s_q, kRopeDim})).empty()) return e;
     if (!(e = expect("out_scale", mega->out_scale, DType::kU8, 3)).empty()) return e;
     if (!(e = expect_dims("out_scale", mega->out_scale, {s_q, h_q, kOutScales})).empty()) return e;
   } else {
@@ -423,9 +427,7 @@ inline std::string make_prefill_params(const TensorView* in /*5*/, const TensorV
   p->lse = static_cast<float*>(out[2].data);
   if (mega) {
     p->mega = 1;
-    p->positions = static_cast<const int32_t*>(mega->positions.data);
-    p->cos_sin = static_cast<const float*>(mega->cos_sin.data);
-    p->max_pos = (int32_t)mega->cos_sin.dims[0];
+    p->cos_sin = static_cast<const float*>(mega->cos_sin_rows.data);
     p->out_fp8 = static_cast<uint8_t*>(out[0].data);
     p->out_scale = static_cast<uint8_t*>(mega->out_scale.data);
   }

@@ -13,11 +13,6 @@ namespace dsv41 {
 
 DEVFN int32_t clamp_pos(int32_t pos, int32_t max_pos) { return pos < 0 ? 0 : (pos >= max_pos ? max_pos - 1 : pos); }
 
-// The cos / sin row of position `pos` (clamped into the table) of a mega op's params.
-template <class Params>
-DEVFN const float* mega_cs_at(const Params& p, int32_t pos) {
-  return p.cos_sin + (int64_t)clamp_pos(pos, p.max_pos) * kRopeDim;
-}
 // cos / sin row of the query row `row` (request * s_q + token) of a mega decode, nullptr otherwise.
 DEVFN const float* mega_cs_row(const DecodeParams& p, int64_t row) {
   if (!p.mega) return nullptr;

@@ -158,11 +158,11 @@ struct PrefillParams {
   int32_t s_q, h_q, num_groups;
   int32_t pair;  // 1: CTAs of head groups 2k, 2k+1 (the same query token) as a 2-CTA cluster sharing the gather
   // The mega prefill (mega = 1; mega.cuh), as DecodeParams' mega fields: q is not roped, the output is
-  // inverse-roped e4m3 with UE8M0 exponents; out and max_logits are unused then.
+  // inverse-roped e4m3 with UE8M0 exponents; out and max_logits are unused then. The cos / sin rows come gathered
+  // by position (one per query token, cuda_ffi/ops.py), so a CTA reads its row with no dependent load: a CTA is one
+  // query token, and a position-then-row chain at its start was one exposed memory latency per CTA.
   int32_t mega;
-  const int32_t* positions;  // int32 [s_q] (clamped to [0, max_pos) on use)
-  const float* cos_sin;      // f32 [max_pos, 64]
-  int32_t max_pos;
+  const float* cos_sin;      // f32 [s_q, 64]: query s's [cos 32 | sin 32]
   uint8_t* out_fp8;          // e4m3 [s_q, h_q, 512]
   uint8_t* out_scale;        // UE8M0 [s_q, h_q, 16]
 };

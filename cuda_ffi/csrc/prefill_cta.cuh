@@ -20,7 +20,6 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;
   const int w = warp_idx(), lane = lane_idx();
-  const int32_t pos = kMega ? ldg_nc_s32(p.positions + s) : 0;  // (in flight through the set-up, as the seesaw's)
   const int len = load_len(p.kv.lengths, p.kv.lengths_stride, s, p.kv.topk);
   const int ntiles = (len + kTileTokens - 1) / kTileTokens;
   if (w >= kConsumerWarps) {
@@ -39,7 +38,8 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     const int rows = group_rows(p.h_q, group);
     // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy)
     if (ntiles > 0 || kMega)
-      load_q<8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows, kMega ? mega_cs_at(p, pos) : nullptr);
+      load_q<8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows,
+                       kMega ? p.cos_sin + s * kRopeDim : nullptr);
     acc_reset(acc);
     consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
     publish_row_stats(smem, acc, w, lane);

@@ -321,9 +321,6 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   const int group = (int)(bid % p.num_groups);
   const int64_t s = bid / p.num_groups;
   const int w = warp_idx(), lane = lane_idx();
-  // (a mega CTA's position first: its load is in flight through the set-up, so load_q's cos / sin row waits on one
-  // load, not two)
-  const int32_t pos = kMega ? ldg_nc_s32(p.positions + s) : 0;
   if (thread_idx() == 0) {
     for (int b = 0; b < 2; ++b)
       for (int h = 0; h < 2; ++h) {
@@ -346,7 +343,7 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   const int rows = group_rows(p.h_q, group);
   // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy)
   if (npairs > 0 || kMega)
-    load_q<8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows, kMega ? mega_cs_at(p, pos) : nullptr);
+    load_q<8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows, kMega ? p.cos_sin + s * kRopeDim : nullptr);
   acc_reset(acc);
   if (npairs > 0) {
     if (w < 4)

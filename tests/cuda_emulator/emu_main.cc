@@ -106,13 +106,13 @@ int dsv41_emu_plan_smem_bytes(const dsv41::TensorView* tl, const dsv41::TensorVi
   return plans.smem_bytes;
 }
 
-// in: 5 tensor views, out: 3 (see make_prefill_params). mega: nullptr, or 3 views (positions, cos_sin, out_scale):
-// the mega prefill (out[0] the e4m3 bytes, out[1] not read).
+// in: 5 tensor views, out: 3 (see make_prefill_params). mega: nullptr, or 2 views (cos_sin_rows, out_scale): the
+// mega prefill (out[0] the e4m3 bytes, out[1] not read).
 int dsv41_emu_prefill(const dsv41::TensorView* in, const dsv41::TensorView* out, float softmax_scale,
                       const dsv41::TensorView* mega, uint64_t seed, int workers, char* errbuf, int errlen) {
   dsv41::PrefillParams p{};
-  dsv41::MegaArgs margs{};
-  if (mega) margs = dsv41::MegaArgs{mega[0], mega[1], mega[2], 0};
+  dsv41::MegaPrefillArgs margs{};
+  if (mega) margs = dsv41::MegaPrefillArgs{mega[0], mega[1]};
   std::string err = dsv41::make_prefill_params(in, out, softmax_scale, &p, mega ? &margs : nullptr);
   if (!err.empty())
     return report(std::string(mega ? "dsv41_sparse_mla_mega_prefill: " : "dsv41_sparse_mla_prefill: ") + err, errbuf,

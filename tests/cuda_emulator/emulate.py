@@ -199,9 +199,9 @@ def run_mega_prefill_ffi(args, attrs, results, *, seed: int = 1, workers: int = 
     ins = [_np(a) for a in args]
     outs = [_poisoned(r) for r in results]
     err = ctypes.create_string_buffer(4096)
-    # the kernels' order: (out, max_logits: not read, lse) and the mega views (positions, cos_sin, out_scale)
+    # the kernels' order: (out, max_logits: not read, lse) and the mega views (cos_sin_rows, out_scale)
     pre_outs = [outs[0], np.zeros((0,), np.float32), outs[2]]
-    mega = [ins[5], ins[6], outs[1]]
+    mega = [ins[5], outs[1]]
     rc = lib.dsv41_emu_prefill(_views(ins[:5]), _views(pre_outs), float(attrs["softmax_scale"]), _views(mega), seed,
                                workers, err, len(err))
     if rc:
