@@ -52,6 +52,8 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta
   const bool skip = kRope && chunk >= kNopeDim / 8;  // (the second pass's)
   constexpr int kRoped = kHeadsPerCta * (kRopeDim / 8) / kConsumerThreads;  // 2 chunks per thread
   const int rj = ct & 7;                                                    // their quad
+  // (the cos / sin quad first: its latency then overlaps the Q loads' instead of following them)
+  const RopeQuad rq = kRope ? rope_quad(cs, rj) : RopeQuad{};
   uint4 r[kRoped];
   if constexpr (kRope) {
 #pragma unroll
@@ -74,8 +76,7 @@ DEVFN void load_q(char* smem, const uint16_t* q, int ct, int rows = kHeadsPerCta
       if (!skip) *reinterpret_cast<uint4*>(smem + kSmemQ + tile_off(c >> 6, c & 63)) = bf16x8_to_f16x8(v[i]);
     }
   }
-  if constexpr (kRope) {  // (the cos / sin quad after the Q loads: it must not hold them back)
-    const RopeQuad rq = rope_quad(cs, rj);
+  if constexpr (kRope) {
     if (ct < 8) {
       float* st = reinterpret_cast<float*>(smem + kSmemMegaCs) + 4 * rj;
       *reinterpret_cast<float4*>(st) = rq.c;

@@ -36,10 +36,11 @@ DEVFN void prefill_cta(const PrefillParams& p, char* smem_raw) {
     Acc acc;
     const int64_t head_row = s * p.h_q + (int64_t)group * kHeadsPerCta;
     const int rows = group_rows(p.h_q, group);
-    // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy)
+    // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy; its Q loads
+    // in one round, as the seesaw's)
     if (ntiles > 0 || kMega)
-      load_q<8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows,
-                       kMega ? p.cos_sin + s * kRopeDim : nullptr);
+      load_q<kMega ? 16 : 8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows,
+                                    kMega ? p.cos_sin + s * kRopeDim : nullptr);
     acc_reset(acc);
     consume_tiles(crew, smem, 0, ntiles, acc, p.scale_log2, w, lane);
     publish_row_stats(smem, acc, w, lane);

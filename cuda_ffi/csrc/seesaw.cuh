@@ -341,9 +341,11 @@ DEVFN void prefill_seesaw_cta(const PrefillParams& p, char* smem_raw) {
   Acc acc;
   const int64_t head_row = s * p.h_q + (int64_t)group * kHeadsPerCta;
   const int rows = group_rows(p.h_q, group);
-  // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy)
+  // (a mega CTA loads the cos / sin row even for an empty query: its epilogue reads load_q's copy; and all its Q
+  // loads in one round, beside the quad and the roped chunks: RESULTS.md, 2026-12-04 twenty-seventh session)
   if (npairs > 0 || kMega)
-    load_q<8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows, kMega ? p.cos_sin + s * kRopeDim : nullptr);
+    load_q<kMega ? 16 : 8, kMega>(smem, p.q + head_row * kHeadDim, thread_idx(), rows,
+                                  kMega ? p.cos_sin + s * kRopeDim : nullptr);
   acc_reset(acc);
   if (npairs > 0) {
     if (w < 4)
