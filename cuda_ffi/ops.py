@@ -54,7 +54,7 @@ GROUP = 64
 FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1, "mxfp8_ds_mla": 3, "nvfp4_ds_mla": 4}
 MAX_PLANS = 8  # plans per planner launch (params.h kMaxPlans)
 # The decode kernels' format families (params.h kFamV4 / kFamV41): one call reads pools of one family.
-V41_FORMATS = ("mxfp8_ds_mla", "nvfp4_ds_mla")
+V41_FORMATS = kvc.V41_FORMATS
 
 
 # ------------------------------------------------------------------------------ checks

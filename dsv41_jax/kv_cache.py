@@ -74,6 +74,7 @@ import numpy as np
 
 __all__ = [
     "KV_FORMATS",
+    "V41_FORMATS",
     "KV_FORMAT_ALIASES",
     "canonical_kv_format",
     "FORMATS",
@@ -102,6 +103,7 @@ __all__ = [
 
 LATENT_DIM = 512  # the MLA latent: K = V, one KV head; every op, cache and kernel of the library has this width
 KV_FORMATS = ("bf16", "fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla")
+V41_FORMATS = ("mxfp8_ds_mla", "nvfp4_ds_mla")  # DeepSeek-V4.1's records (the others are V4's)
 # vLLM's cache dtype names: "auto" is the model's native record, the V4 584-byte one, for every backend
 KV_FORMAT_ALIASES = types.MappingProxyType({"fp8": "fp8_ds_mla", "auto": "fp8_ds_mla", "bfloat16": "bf16"})
 FORMATS = KV_FORMATS  # older name

@@ -18,13 +18,13 @@ Destination: the K tile, two swizzled halves [2, 64, 256] ((8, 64) tiles of 1 Ki
 swizzle: the 16 B chunk q of a 128 B line r goes to q ^ (r % 8)), i.e. the wgmma operand layout,
 so the compute warpgroups do no relayout:
 - bf16 rows: the 1 KiB row straight into row i;
-- fp8_ds_mla records: copied into the same tile and converted there before the issue returns
-  (`_fp8_in_place`): the fp8 work stays out of the compute warpgroups, and no registers are held
-  while the copies are in flight (records loaded into registers get each load scheduled next to
-  its use by ptxas, one record in flight per warp).
+- quantized records (fp8_ds_mla, mxfp8_ds_mla, nvfp4_ds_mla): copied into the same tile and converted
+  there before the issue returns (`_fp8_in_place`, `_v41_in_place`): the dequantization stays out of the
+  compute warpgroups, and no registers are held while the copies are in flight (records loaded into
+  registers get each load scheduled next to its use by ptxas, one record in flight per warp).
 Plus the block's 64 sources (256 B) into the index buffer, for the compute warpgroups' masks.
 
-The copies are committed as one `cp.async` group (fp8: four, all landed when it returns);
+The copies are committed as one `cp.async` group (quantized records: four, all landed when it returns);
 `wait_groups` waits for this thread's groups (`cp.async.wait_group`), after which the caller fences
 and arrives on the block's barrier.
 """
@@ -36,7 +36,10 @@ from jax.experimental.mosaic.gpu import utils as mgu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
-from pallas_kernels._spec import FP8_RECORD, HALF, SWIZZLE, TILE, T
+from dsv41_jax import kv_cache as kvc
+from pallas_kernels._spec import HALF, QUANTIZED_FORMATS, SWIZZLE, TILE, T
+
+FP8_RECORD = kvc.layout("fp8_ds_mla").data_bytes  # an fp8_ds_mla record's data bytes (scales apart)
 
 __all__ = ["issue_block", "wait_groups", "bf16_to_f16_in_place"]
 
@@ -171,11 +174,11 @@ def _wait(pending: int):
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {pending};", "", has_side_effects=True)
 
 
-def _record(cache64, valid, unit):
-    """Global address of the fp8_ds_mla record of index `unit` (576-byte units, 64-bit arithmetic: any
-    cache size); the cache's start when masked (never read: its copies are zero-filled or predicated off)."""
+def _record(cache64, valid, index, unit: int):
+    """Global address of the record of `index` (in units of `unit` data bytes; 64-bit arithmetic: any cache
+    size); the cache's start when masked (never read: its copies are zero-filled or predicated off)."""
     i64 = ir.IntegerType.get_signless(64)
-    return arith.addi(cache64, arith.muli(arith.select(valid, arith.extsi(i64, unit), _i64(0)), _i64(FP8_RECORD)))
+    return arith.addi(cache64, arith.muli(arith.select(valid, arith.extsi(i64, index), _i64(0)), _i64(unit)))
 
 
 def _past(addr64, valid, delta):
@@ -183,25 +186,28 @@ def _past(addr64, valid, delta):
     return arith.addi(addr64, arith.select(valid, arith.extsi(ir.IntegerType.get_signless(64), delta), _i64(0)))
 
 
-def issue_block(kv_format: str, f16: bool = False):
+def issue_block(kv_format: str, f16: bool = False, scale_pitch: int = 0):
     """Returns `f(cache, src_blk, dst, idx_dst, *fp8_refs)` for `plgpu` code (memory warpgroup).
 
-    cache: the pool's GMEM operand (fp8_ds_mla: uint8 bytes; bf16: [rows, 512]); src_blk: int32
-    [64], this block's sources; dst: the K buffer [2, 64, 256]; idx_dst: int32 [64] SMEM. fp8_refs
-    (fp8_ds_mla): the block's scale bytes' distances from their records int32 [64] (GMEM), scale_dst
-    uint8 [64, 8] (SMEM), and the next block's sources and scale distances (GMEM, for the L2 prefetch). `f16`: the K
-    tile holds float16 (fp8 records and their RoPE values are converted to f16; bf16 row pools are
-    copied as they are, so the caller gives f16 rows).
+    cache: the pool's GMEM operand (quantized formats: uint8 bytes; bf16: [rows, 512]); src_blk: int32
+    [64], this block's sources; dst: the K buffer [2, 64, 256]; idx_dst: int32 [64] SMEM. scale_refs
+    (quantized formats): the block's scale bytes' distances from their records int32 [64] (GMEM), scale_dst
+    uint8 [64, scale_pitch] (SMEM, at least the format's scale bytes), and the next block's sources and scale
+    distances (GMEM, for the L2 prefetch). `f16`: the K tile holds float16 (records and fp8_ds_mla's RoPE
+    values are converted to f16; bf16 row pools are copied as they are, so the caller gives f16 rows).
     """
-    if kv_format not in ("bf16", "fp8_ds_mla"):
-        raise ValueError(f"kv_format must be 'bf16' or 'fp8_ds_mla', got {kv_format!r}")
-    fp8 = kv_format == "fp8_ds_mla"
-    types = [plgpu.RefType()] * (8 if fp8 else 4)
+    if kv_format not in ("bf16",) + QUANTIZED_FORMATS:
+        raise ValueError(f"kv_format must be one of {['bf16', *QUANTIZED_FORMATS]}, got {kv_format!r}")
+    quant = kv_format != "bf16"
+    if quant and scale_pitch < kvc.layout(kv_format).scale_bytes:
+        raise ValueError(f"scale_pitch must be at least {kv_format}'s {kvc.layout(kv_format).scale_bytes} scale "
+                         f"bytes, got {scale_pitch}")
+    types = [plgpu.RefType()] * (8 if quant else 4)
     # the K ring buffer carries the kernel's tiling and swizzle
     types[2] = plgpu.RefType(transforms=(TILE, SWIZZLE))
 
     @plgpu.inline_mgpu(arg_types=tuple(types))
-    def issue(ctx, cache, src_blk, dst, idx_dst, *fp8_refs):
+    def issue(ctx, cache, src_blk, dst, idx_dst, *scale_refs):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
@@ -218,9 +224,13 @@ def issue_block(kv_format: str, f16: bool = False):
         # The block's sources for the compute warpgroups: 16 threads x 16 B.
         _cp16_if(arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, _i32(16))),
                  arith.addi(_smem32(idx_dst), tid16), arith.addi(src64, tid16_64))
-        if fp8:
-            _fp8_in_place(cache64, src64, _addr64(fp8_refs[0]), _addr64(fp8_refs[2]), _addr64(fp8_refs[3]),
-                          dst32, _smem32(fp8_refs[1]), lane, warp, f16)
+        if quant:
+            args = (cache64, src64, _addr64(scale_refs[0]), _addr64(scale_refs[2]), _addr64(scale_refs[3]),
+                    dst32, _smem32(scale_refs[1]), lane, warp, f16, scale_pitch)
+            if kv_format == "fp8_ds_mla":
+                _fp8_in_place(*args)
+            else:
+                _v41_in_place(kv_format, *args)
             return
         tile_base = _row_base(dst32, 0, warp, lane)
         for k in range(T // 4):
@@ -289,14 +299,14 @@ _GROUPS = 4  # cp.async groups per fp8 block: the conversion of one overlaps the
 assert (T // 4 // _GROUPS) % 4 == 0  # f16: a group's RoPE chunks (8 per token) cover the warp's lanes
 
 
-def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp, f16=False):
+def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp, f16, pitch):
     """fp8_ds_mla records of the block -> bf16 rows of the K buffer, converted in place.
 
     Warp w takes tokens w, w + 4, ... . Copies (`cp.async`, so that all 64 records are in flight
     without holding registers): record chunk c < 28 (NoPE bytes 16 c ..) into chunk c of the
     token's own half-0 row (the row's bf16 output covers it, and no other token writes there); the
     8 RoPE chunks (bf16 already) straight to their place, chunks 24..31 of half 1; the 8 UE8M0 scale
-    bytes (offsets `ssrc64`) to row tok of the scale buffer uint8 [64, 8]. Masked tokens zero-fill
+    bytes (offsets `ssrc64`) to row tok of the scale buffer uint8 [64, pitch]. Masked tokens zero-fill
     (and convert to 0). The copies go in `_GROUPS` commit groups; the next block's records and scale
     bytes (`next64`, `snext64`) are prefetched into L2 behind them. Each group is converted as soon as it has
     landed, one token at a time: lane l reads its 8 e4m3 of half 0 (bytes 8 l, group l // 8) and,
@@ -321,7 +331,7 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
     lane4 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4)))
-    sc_row = arith.addi(sc_smem32, arith.muli(warp, _i32(8)))  # row tok = warp + 4 k: 32 k further
+    sc_row = arith.addi(sc_smem32, arith.muli(warp, _i32(pitch)))  # row tok = warp + 4 k: 4 pitch k further
     per = T // 4 // _GROUPS
     # chunk `lane` of a record: NoPE to half 0 chunk `lane`, RoPE chunks 0..3 to half 1 chunks 24..27;
     # RoPE chunks 4..7 (record bytes 512..575) by lanes 0..3, to half 1 chunks 28..31
@@ -331,19 +341,19 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         off = _shfl(offs, _i32(k))
         valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
         nbytes = arith.select(valid, _i32(16), _i32(0))
-        g = _record(cache64, valid, off)
+        g = _record(cache64, valid, off, FP8_RECORD)
         _cp16(_row_at(dst_base, k), arith.addi(g, lane16_64), nbytes)
         _cp16_if(tail, _row_at(tail_base, k), arith.addi(g, arith.addi(lane16_64, _i64(512))), nbytes)
         soff = _shfl(soffs, _i32(k))
         # 8 B (0 read when masked: zero-filled)
         _if(lane4, "cp.async.ca.shared.global [$1], [$2], 8, $3;",
-            [arith.addi(sc_row, _i32(32 * k)), _past(g, valid, soff), arith.select(valid, _i32(8), _i32(0))],
+            [arith.addi(sc_row, _i32(4 * pitch * k)), _past(g, valid, soff), arith.select(valid, _i32(8), _i32(0))],
             "r,l,r")
         if k % per == per - 1:
             _commit()
     # the next block's records into L2 (5 lines of 128 B each): lanes 0..15 lines 0..2, 16..31 lines 3..4
     nvalid = arith.cmpi(arith.CmpIPredicate.sge, noffs, _i32(0))
-    nbase = _record(cache64, nvalid, noffs)
+    nbase = _record(cache64, nvalid, noffs, FP8_RECORD)
     lower = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16))
     for line in range(3):
         ok = nvalid if line < 2 else arith.andi(nvalid, lower)
@@ -383,7 +393,8 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
                 for k0 in range(k, k + per, 4):
                     _chunk_to_f16(arith.addi(rope, _i32((k0 // 2) * 4096)))
         words = _lds(2, _row_at(raw0, k)) + _lds(2, _row_at(raw1, k))
-        return words, [_lds_u8(arith.addi(s0_off, _i32(32 * k))), _lds_u8(arith.addi(s1_off, _i32(32 * k)))]
+        return words, [_lds_u8(arith.addi(s0_off, _i32(4 * pitch * k))),
+                       _lds_u8(arith.addi(s1_off, _i32(4 * pitch * k)))]
 
     def convert(words, e):
         if f16:
@@ -402,6 +413,157 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
         _st_v4(_row_at(out0, k), w[:4])
         _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w[4:]], "r,r,r,r,r")
+
+
+def _nvfp4_word_asm(f16: bool) -> str:
+    """PTX of `_nvfp4_word`: outputs $0..$3, inputs $4 (8 e2m1 codes, dim 2i in byte i's low nibble), $5 (the
+    e4m3 scale byte, i32)."""
+    lines = ["{", ".reg .b32 lo, hi, t, s, h, a, b;", ".reg .b16 p, q, c, d;", ".reg .f32 x, y;",
+             # the scale as f16x2 (e4m3 -> f16 is exact), times 2^6 (exact: <= 28672)
+             "mul.lo.u32 s, $5, 257;", "mov.b32 {p, q}, s;", "cvt.rn.f16x2.e4m3x2 s, p;", "mov.b32 t, 0x54005400;",
+             "mul.rn.f16x2 s, s, t;",
+             # each code (s, e1 e0 m) as the e4m3 byte (s << 7) | (e1 e0 m) << 2: its value x 2^-6
+             "and.b32 lo, $4, 0x08080808;", "shl.b32 lo, lo, 4;", "and.b32 t, $4, 0x07070707;", "shl.b32 t, t, 2;",
+             "or.b32 lo, lo, t;", "and.b32 hi, $4, 0x80808080;", "and.b32 t, $4, 0x70707070;", "shr.b32 t, t, 2;",
+             "or.b32 hi, hi, t;", "prmt.b32 a, lo, hi, 0x5140;", "prmt.b32 b, lo, hi, 0x7362;"]
+    for j, word in enumerate("ab"):
+        lines.append(f"mov.b32 {{p, q}}, {word};")
+        for i, half in enumerate("pq"):
+            out = f"${2 * j + i}"
+            lines.append(f"cvt.rn.f16x2.e4m3x2 h, {half};")
+            if f16:
+                lines.append(f"mul.rn.f16x2 {out}, h, s;")
+            else:  # the f16 product is exact, and so is its bf16 rounding (at most 6 significant bits)
+                lines += ["mul.rn.f16x2 h, h, s;", "mov.b32 {c, d}, h;", "cvt.f32.f16 x, c;", "cvt.f32.f16 y, d;",
+                          f"cvt.rn.bf16x2.f32 {out}, y, x;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _nvfp4_word(word, scale_byte, f16: bool):
+    """8 nvfp4_ds_mla values (one i32 of e2m1 pairs) times their e4m3 scale -> 4 f16x2 / bf16x2 words (i32,
+    low element first). Exact: the products lie in [2^-10, 2688] with at most 6 significant bits; a NaN scale
+    (0x7F, 0xFF) gives NaN values, as `dsv41_jax.kv_cache.dequantize` does."""
+    i32 = ir.IntegerType.get_signless(32)
+    ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    st = llvm.inline_asm(ty, [word, scale_byte], _nvfp4_word_asm(f16), "=r,=r,=r,=r,r,r", has_side_effects=False)
+    return [llvm.extractvalue(i32, st, [k]) for k in range(4)]
+
+
+def _v41_in_place(kv_format, cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lane, warp, f16, pitch):
+    """V4.1 records (mxfp8_ds_mla, nvfp4_ds_mla) of the block -> rows of the K buffer, converted in place.
+
+    The structure of `_fp8_in_place`: warp w takes tokens w, w + 4, ...; cp.async copies of the record's
+    data bytes into the token's own half-0 row (mxfp8: 512 B, chunk `lane` by lane `lane`; nvfp4: 256 B, by
+    lanes 0..15) and of its scale bytes into row tok of the scale buffer (mxfp8: 16 UE8M0 by lane 0; nvfp4:
+    32 e4m3 by lanes 16, 17), masked tokens zero-filled (and converted to 0); `_GROUPS` commit groups; the
+    next block's records and scales prefetched into L2. Each group is converted once it has landed, one
+    token at a time, pipelined by one token: lane l reads the bytes of dims 8 l .. 8 l + 7 of half 0 and of
+    half 1 (mxfp8: 8 + 8 bytes, scales l / 4 and 8 + l / 4; nvfp4: 4 + 4 bytes, scales l / 2 and
+    16 + l / 2), the warp synchronizes, and lane l writes chunk l of both halves. mxfp8 converts as
+    fp8_ds_mla's NoPE bytes do (`_e4m3_token_f16` / `_e4m3x2_to_bf16x2`), nvfp4 with `_nvfp4_word`."""
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    i16 = ir.IntegerType.get_signless(16)
+    f32 = ir.F32Type.get()
+    nv = kv_format == "nvfp4_ds_mla"
+    lay = kvc.layout(kv_format)
+    unit = lay.data_bytes
+    lane16 = arith.muli(lane, _i32(16))
+    lane16_64 = arith.extui(i64, lane16)
+    my_tok4 = arith.extui(i64, arith.muli(arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4))),
+                                          _i32(4)))
+    offs = _ld_b32(arith.addi(src64, my_tok4))
+    soffs = _ld_b32(arith.addi(ssrc64, my_tok4))
+    noffs = _ld_b32(arith.addi(next64, my_tok4))
+    nsoffs = _ld_b32(arith.addi(snext64, my_tok4))
+    sc_row = arith.addi(sc_smem32, arith.muli(warp, _i32(pitch)))  # row tok = warp + 4 k: 4 pitch k further
+    per = T // 4 // _GROUPS
+    dst_base = _row_base(dst32, 0, warp, lane)  # chunk `lane` of the token's half-0 row
+    if nv:
+        data_lane = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16)))
+        scale_lane = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, arith.subi(lane, _i32(16)), _i32(2)))
+        piece = arith.muli(arith.andi(lane, _i32(1)), _i32(16))  # lanes 16, 17: scale bytes 0..15, 16..31
+        piece_64 = arith.extui(i64, piece)
+    else:
+        scale_lane = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(0)))
+    for k in range(T // 4):
+        off = _shfl(offs, _i32(k))
+        valid = arith.cmpi(arith.CmpIPredicate.sge, off, _i32(0))
+        nbytes = arith.select(valid, _i32(16), _i32(0))
+        g = _record(cache64, valid, off, unit)
+        soff = _shfl(soffs, _i32(k))
+        srow = arith.addi(sc_row, _i32(4 * pitch * k))
+        if nv:
+            _cp16_if(data_lane, _row_at(dst_base, k), arith.addi(g, lane16_64), nbytes)
+            _cp16_if(scale_lane, arith.addi(srow, piece), arith.addi(_past(g, valid, soff), piece_64), nbytes)
+        else:
+            _cp16(_row_at(dst_base, k), arith.addi(g, lane16_64), nbytes)
+            _cp16_if(scale_lane, srow, _past(g, valid, soff), nbytes)
+        if k % per == per - 1:
+            _commit()
+    # the next block's records into L2 (unit / 128 lines: lanes 0..15 the first half, 16..31 the second) and
+    # their scale bytes (16 or 32, never across a line): lanes 0..15
+    nvalid = arith.cmpi(arith.CmpIPredicate.sge, noffs, _i32(0))
+    nbase = _record(cache64, nvalid, noffs, unit)
+    lower = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(16))
+    lines = unit // 128
+    for line in range(lines // 2):
+        off_b = arith.select(lower, _i64(128 * line), _i64(128 * (lines // 2 + line)))
+        _if(arith.extui(i32, nvalid), "prefetch.global.L2 [$1];", [arith.addi(nbase, off_b)], "l")
+    _if(arith.extui(i32, arith.andi(nvalid, lower)), "prefetch.global.L2 [$1];", [_past(nbase, nvalid, nsoffs)], "l")
+
+    if nv:  # half 0's bytes 4 l (chunk l / 4), half 1's 128 + 4 l (chunk 8 + l / 4)
+        sub = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
+        q = arith.shrui(lane, _i32(2))
+        raw0 = arith.addi(_row_base(dst32, 0, warp, q), sub)
+        raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(q, _i32(8))), sub)
+        g0 = arith.shrui(lane, _i32(1))
+        s0_off, s1_off = arith.addi(sc_row, g0), arith.addi(sc_row, arith.addi(g0, _i32(16)))
+        nwords = 1
+    else:  # half 0's bytes 8 l (chunk l / 2), half 1's 256 + 8 l (chunk 16 + l / 2)
+        sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))
+        half = arith.shrui(lane, _i32(1))
+        raw0 = arith.addi(_row_base(dst32, 0, warp, half), sub)
+        raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(half, _i32(16))), sub)
+        g0 = arith.shrui(lane, _i32(2))
+        s0_off, s1_off = arith.addi(sc_row, g0), arith.addi(sc_row, arith.addi(g0, _i32(8)))
+        nwords = 2
+    out0, out1 = _row_base(dst32, 0, warp, lane), _row_base(dst32, 1, warp, lane)
+    every = _i32(1)
+
+    def conv(word, sc):
+        f = llvm.bitcast(f32, sc)
+        lo = arith.trunci(i16, word)
+        hi = arith.trunci(i16, arith.shrui(word, _i32(16)))
+        return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
+
+    def load(k):
+        """Token k's raw words (half 0's, then half 1's) and scale bytes (i32 x 2), once its group landed."""
+        if k % per == 0:
+            _wait(_GROUPS - 1 - k // per)
+            _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
+        words = _lds(nwords, _row_at(raw0, k)) + _lds(nwords, _row_at(raw1, k))
+        return words, [_lds_u8(arith.addi(s0_off, _i32(4 * pitch * k))),
+                       _lds_u8(arith.addi(s1_off, _i32(4 * pitch * k)))]
+
+    def convert(words, e):
+        if nv:
+            return _nvfp4_word(words[0], e[0], f16) + _nvfp4_word(words[1], e[1], f16)
+        if f16:
+            return _e4m3_token_f16(words, e[0], e[1], every)
+        sc0, sc1 = (arith.shli(x, _i32(23)) for x in e)  # 2^(e - 127) as f32 bits (e = 0 -> 0)
+        return conv(words[0], sc0) + conv(words[1], sc0) + conv(words[2], sc1) + conv(words[3], sc1)
+
+    nxt = load(0)
+    for k in range(T // 4):
+        cur = nxt
+        if k + 1 < T // 4:
+            nxt = load(k + 1)
+        w = convert(*cur)
+        _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
+        _st_v4(_row_at(out0, k), w[:4])
+        _st_v4(_row_at(out1, k), w[4:])
 
 
 def bf16_to_f16_in_place(nbytes: int):

@@ -9,7 +9,7 @@ to a multiple of 64 by the caller (the wgmma M is 64). Three warpgroups (Pallas 
 lane-level lowering semantics (explicit register layouts):
 
 - wg 2, the memory warpgroup (`_memory.py`): copies Q, then gathers each 64-token block into a
-  double-buffered K tile in the swizzled wgmma operand layout (fp8 records converted there), and
+  double-buffered K tile in the swizzled wgmma operand layout (quantized records converted there), and
   publishes it;
 - wg 0 and wg 1, the compute warpgroups (`_compute.py`): warpgroup w owns latent dims
   [256 w, 256 w + 256); per block S = Q K^T (each contracts its own dims, the partial scores are
@@ -26,7 +26,7 @@ splits, f32 partials (O / l, and lse / max with -inf when empty) for `ops.combin
 
 Interpret mode (`spec.interpret`, see `_interpret.py`) takes wgmma A operands from SMEM only,
 cannot store into an accumulator and cannot run `inline_mgpu`: P is staged in SMEM and P V added
-to O after the wgmma, the memory warpgroup gathers with Pallas-level copies and dequantizes fp8
+to O after the wgmma, the memory warpgroup gathers with Pallas-level copies and dequantizes the
 records with Pallas operations (`_conversions.py`). The barrier protocol and the compute are the
 same program. SM100 (Blackwell) runs this SM90-style kernel (wgmma; no tcgen05/TMEM, no TMA gather).
 Design notes and measurements: docs/pallas_kernels.md.
@@ -45,8 +45,8 @@ from jax import lax
 
 from pallas_kernels._compute import compute_warpgroup
 from pallas_kernels._memory import memory_warpgroup
-from pallas_kernels._spec import (D, FP8_PITCH, HALF, HB, NBUF, SMEM_LIMIT, SWIZZLE, TILE, KernelSpec, T,
-                                  smem_bytes)
+from pallas_kernels._spec import (D, HALF, HB, NBUF, SCALE_GROUPS, SMEM_LIMIT, STAGE_PITCH, SWIZZLE, TILE,
+                                  KernelSpec, T, smem_bytes)
 
 __all__ = ["build_kernel", "Program", "Scratch"]
 
@@ -57,10 +57,11 @@ class Scratch:
 
     q: Any  # Q halves [2, 64, 256]
     k: Any  # the K tile ring [NBUF, 2, 64, 256]
-    stage: Any  # interpreter: the fp8 records of a block [64, FP8_PITCH] uint8
-    scales: Any  # the block's scales: UE8M0 bytes [64, 8] (GPU) or f32 factors [8, 64] (interpreter)
+    stage: Any  # interpreter: the quantized records of a block [64, STAGE_PITCH] uint8
+    # the block's scales: bytes [64, scale_pitch] (GPU) or f32 factors [SCALE_GROUPS, 64] (interpreter)
+    scales: Any
     idx: Any  # the block's sources [NBUF, 64]
-    combiner: Any  # interpreter: `rope_combiner`
+    combiner: Any  # interpreter, fp8_ds_mla pools: `rope_combiner`
     sink: Any  # [64] f32
     q_bar: Any
     full: Any
@@ -69,7 +70,7 @@ class Scratch:
     x_post: Any
     x_read: Any
     p: Any  # interpreter: P per compute warpgroup [2, 2, 64, 64] (wgmma A operands from SMEM)
-    rope: Any  # interpreter: the RoPE bytes of a block as bf16 [64, 128]
+    rope: Any  # interpreter, fp8_ds_mla pools: the RoPE bytes of a block as bf16 [64, 128]
     ibar_idx: Any  # interpreter: the gather's barriers (sources; one arrival per copy)
     ibar: Any
 
@@ -120,7 +121,7 @@ def _program(spec: KernelSpec, refs) -> Program:
     for p in spec.pools:
         cache = next(it)
         src = next(it)
-        scales = next(it) if p.fp8 else None
+        scales = next(it) if p.quantized else None
         pools.append((cache, src, scales))
     out_ref, lse_ref, mx_ref = next(it), next(it), next(it)
     scratch = Scratch(*next(it))
@@ -140,14 +141,21 @@ def _program(spec: KernelSpec, refs) -> Program:
 
 def _scratch_types(spec: KernelSpec) -> tuple:
     """SMEM buffers and barriers, in `Scratch`'s order."""
-    has_fp8, interpret, xbufs = spec.has_fp8, spec.interpret, spec.xbufs
+    quant, interpret, xbufs = spec.has_quantized, spec.interpret, spec.xbufs
+    rope_bf16 = interpret and spec.has_rope_bf16
+    if not quant:
+        scales = None
+    elif spec.scale_offsets:
+        scales = plgpu.SMEM((T, spec.scale_pitch), jnp.uint8)
+    else:
+        scales = plgpu.SMEM((SCALE_GROUPS, T), jnp.float32)
     return (
         plgpu.SMEM((2, HB, HALF), spec.dtype, transforms=(TILE, SWIZZLE)),
         plgpu.SMEM((NBUF, 2, T, HALF), spec.dtype, transforms=(TILE, SWIZZLE)),
-        plgpu.SMEM((T, FP8_PITCH), jnp.uint8) if has_fp8 and interpret else None,
-        (plgpu.SMEM((T, 8), jnp.uint8) if spec.scale_offsets else plgpu.SMEM((8, T), jnp.float32)) if has_fp8 else None,
+        plgpu.SMEM((T, STAGE_PITCH), jnp.uint8) if quant and interpret else None,
+        scales,
         plgpu.SMEM((NBUF, T), jnp.int32),
-        plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if has_fp8 and interpret else None,
+        plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if rope_bf16 else None,
         plgpu.SMEM((HB,), jnp.float32) if spec.has_sink else None,
         plgpu.Barrier(num_arrivals=3 if spec.has_sink else 2),  # q_bar
         plgpu.Barrier(num_arrivals=1, num_barriers=NBUF),  # full: the memory warpgroup published a block
@@ -158,7 +166,7 @@ def _scratch_types(spec: KernelSpec) -> tuple:
         plgpu.Barrier(num_arrivals=xbufs),
         plgpu.Barrier(num_arrivals=xbufs),
         plgpu.SMEM((2, 2, HB, T), spec.dtype, transforms=(TILE, SWIZZLE)) if interpret else None,
-        plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if interpret and has_fp8 else None,
+        plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if rope_bf16 else None,
         plgpu.Barrier(num_arrivals=1) if interpret else None,
         plgpu.Barrier(num_arrivals=2 * T + 1) if interpret else None,  # two arrivals per token, one more
     )
@@ -179,12 +187,12 @@ def build_kernel(spec: KernelSpec):
     """Returns `f(q, counts, [sink], *pool_operands) -> (out, lse, max_logits)`.
 
     q: `spec.dtype` bits [R, Hp, 512] (bf16 values); counts: int32 [R, n_pools] (64-token blocks
-    per row and pool); sink: f32 [Hp] (if `has_sink`); per pool: the cache operand (fp8: uint8
-    [bytes]; bf16: `spec.dtype` [rows, 512]), src int32 [R, kpad] (index of the record in 576-byte
-    units / row number, -1 = masked), and for fp8 pools the scales: with `spec.scale_offsets` the bytes
-    from each record to its 8 UE8M0 bytes, int32 [R, kpad], else f32 [R, kpad / 64, 8, 64] (per block, group
-    g of the 7 NoPE groups (row 7 unused) and token: 2^(e - 127) of the entry's UE8M0 byte; 0 when
-    masked). Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp];
+    per row and pool); sink: f32 [Hp] (if `has_sink`); per pool: the cache operand (quantized formats:
+    uint8 [bytes]; bf16: `spec.dtype` [rows, 512]), src int32 [R, kpad] (index of the record in units of
+    its data bytes / row number, -1 = masked), and for quantized pools the scales: with
+    `spec.scale_offsets` the bytes from each record to its scale bytes, int32 [R, kpad], else f32
+    [R, kpad / 64, SCALE_GROUPS, 64] (per block, scale group and token: the factor of the entry's scale
+    byte, 0 when masked; `ops.pool_operands`). Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp];
     split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
     """
     if smem_bytes(spec) > SMEM_LIMIT:

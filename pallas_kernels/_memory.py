@@ -1,12 +1,12 @@
 """The memory warpgroup (wg 2): Q in, then every 64-token block of the row's pools into the K ring.
 
-It runs with few registers (40; 56 when it converts fp8 records) and no matmul. Per block it
+It runs with few registers (40; 56 when it converts quantized records) and no matmul. Per block it
 waits for the buffer's release, gathers the block's tokens straight into the swizzled K tile (bf16
-rows copied; fp8 records copied into their token's row and converted in place, `_gather.py`)
+rows copied; quantized records copied into their token's row and converted in place, `_gather.py`)
 plus the block's 64 sources, and publishes the buffer (`full`). Masked tokens are never read:
 their copies zero-fill. Kernels of bf16 pools only publish block n - 1 before waiting for the
-release of block n's buffer (its copies land meanwhile); fp8 kernels publish each block once
-converted. In interpret mode the gather is a loop of Pallas-level copies (`fill_interpret`).
+release of block n's buffer (its copies land meanwhile); kernels of quantized pools publish each block
+once converted. In interpret mode the gather is a loop of Pallas-level copies (`fill_interpret`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _gather
-from pallas_kernels._conversions import dequant_fp8, rope_combiner
-from pallas_kernels._spec import FP8_RECORD, HALF, HB, NBUF, ROW, T
+from pallas_kernels._conversions import dequant_fp8, dequant_mxfp8, dequant_nvfp4, rope_combiner
+from pallas_kernels._spec import HALF, HB, NBUF, ROW, T
 
 if TYPE_CHECKING:
     from pallas_kernels._kernel import Program
@@ -51,16 +51,18 @@ def publish(prog: Program, b):
     plgpu.barrier_arrive(prog.s.full.at[b])
 
 
-def fill_interpret(prog: Program, j, b, cache, src, scales, fp8: bool):
+def fill_interpret(prog: Program, j, b, cache, src, scales, pspec):
     """Interpreter: Pallas-level copies of block j into buffer b (the interpreter cannot run `_gather`).
 
-    bf16 rows go to the K tile, a masked row stored as 0 (it feeds the wgmmas unselected); fp8
-    records are staged whole and dequantized into both K halves. `ibar` counts two arrivals per
-    token and one for the scales."""
+    bf16 rows go to the K tile, a masked row stored as 0 (it feeds the wgmmas unselected); quantized
+    records are staged whole (their data bytes) and dequantized into both K halves. `ibar` counts two
+    arrivals per token and one for the scales."""
     s, row, dtype = prog.s, prog.row, prog.spec.dtype
+    quant = pspec.quantized
+    unit = pspec.layout.data_bytes
     plgpu.copy_gmem_to_smem(src.at[row, pl.ds(j * T, T)], s.idx.at[b], s.ibar_idx)
     plgpu.barrier_wait(s.ibar_idx)
-    if fp8:
+    if quant:
         plgpu.copy_gmem_to_smem(scales.at[row, j], s.scales, s.ibar)
     else:
         plgpu.barrier_arrive(s.ibar)
@@ -71,8 +73,8 @@ def fill_interpret(prog: Program, j, b, cache, src, scales, fp8: bool):
 
         @pl.when(off >= 0)
         def _copy():
-            if fp8:
-                plgpu.copy_gmem_to_smem(cache.at[pl.ds(off * FP8_RECORD, FP8_RECORD)], s.stage.at[i, pl.ds(0, FP8_RECORD)], s.ibar)
+            if quant:
+                plgpu.copy_gmem_to_smem(cache.at[pl.ds(off * unit, unit)], s.stage.at[i, pl.ds(0, unit)], s.ibar)
                 plgpu.barrier_arrive(s.ibar)
             else:
                 for h in range(2):
@@ -81,7 +83,7 @@ def fill_interpret(prog: Program, j, b, cache, src, scales, fp8: bool):
 
         @pl.when(off < 0)
         def _skip():
-            if fp8:
+            if quant:
                 plgpu.barrier_arrive(s.ibar)
                 plgpu.barrier_arrive(s.ibar)
             else:
@@ -90,25 +92,30 @@ def fill_interpret(prog: Program, j, b, cache, src, scales, fp8: bool):
                     plgpu.barrier_arrive(s.ibar)
 
     plgpu.barrier_wait(s.ibar)
-    if fp8:
+    if quant:
         idx_row = plgpu.load(s.idx.at[b], layout=ROW)
         vrow = lax.broadcast_in_dim(idx_row >= 0, (T, 64), [0])
         for h in range(2):
-            dequant_fp8(h, s.stage, s.scales, s.combiner, s.k.at[b], vrow, s.rope)
+            if pspec.kv_format == "fp8_ds_mla":
+                dequant_fp8(h, s.stage, s.scales, s.combiner, s.k.at[b], vrow, s.rope)
+            elif pspec.kv_format == "mxfp8_ds_mla":
+                dequant_mxfp8(h, s.stage, s.scales, s.k.at[b], vrow)
+            else:
+                dequant_nvfp4(h, s.stage, s.scales, s.k.at[b], vrow)
 
 
 def _gather_block(prog: Program, j, b, pool, pspec):
     """GPU: block j of a pool into buffer b, issued by all 128 threads (`_gather.issue_block`)."""
     cache, src, scales = pool
     s, row = prog.s, prog.row
-    if pspec.fp8:
+    if pspec.quantized:
         # the next block's sources (this one's at the pool's end): L2 prefetch only
         jn = jnp.minimum(j + 1, pspec.kpad // T - 1)
         extra = (scales.at[row, pl.ds(j * T, T)], s.scales, src.at[row, pl.ds(jn * T, T)],
                  scales.at[row, pl.ds(jn * T, T)])
     else:
         extra = ()
-    _gather.issue_block(pspec.kv_format, f16=prog.spec.f16)(
+    _gather.issue_block(pspec.kv_format, f16=prog.spec.f16, scale_pitch=prog.spec.scale_pitch)(
         cache, src.at[row, pl.ds(j * T, T)], s.k.at[b], s.idx.at[b], *extra)
 
 
@@ -116,12 +123,12 @@ def memory_warpgroup(prog: Program):
     """The memory warpgroup's whole program."""
     spec, s = prog.spec, prog.s
     plgpu.set_max_registers(spec.registers[0], action="decrease")
-    if spec.has_fp8 and spec.interpret:
+    if spec.has_rope_bf16 and spec.interpret:
         s.combiner[...] = rope_combiner()
         plgpu.commit_smem()
     load_q(prog)
 
-    deferred = not spec.has_fp8  # bf16 blocks are published one iteration later
+    deferred = not spec.has_quantized  # bf16 blocks are published one iteration later
     n = jnp.int32(0)
     for p, pspec in enumerate(spec.pools):
 
@@ -142,7 +149,7 @@ def memory_warpgroup(prog: Program):
                 plgpu.commit_smem()
 
             if spec.interpret:
-                fill_interpret(prog, j, b, *pool, pspec.fp8)
+                fill_interpret(prog, j, b, *pool, pspec)
             else:
                 _gather_block(prog, j, b, pool, pspec)
             if not deferred:

@@ -15,17 +15,19 @@ import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
 
-__all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "fp8_scale_offsets", "T", "HB", "D", "HALF", "NOPE",
-           "FP8_RECORD", "FP8_PITCH", "LOG2E", "LN2", "REG_BUDGET", "SMEM_LIMIT", "NBUF", "TILE", "SWIZZLE",
-           "ROW", "COL"]
+__all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "scale_offsets_mode", "T", "HB", "D", "HALF", "NOPE",
+           "STAGE_PITCH", "SCALE_GROUPS", "LOG2E", "LN2", "REG_BUDGET", "SMEM_LIMIT", "NBUF", "TILE", "SWIZZLE",
+           "ROW", "COL", "QUANTIZED_FORMATS"]
 
 T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
 HB = 64  # heads per program (the wgmma M)
 D = kvc.LATENT_DIM
 HALF = D // 2  # latent dims per compute warpgroup
 NOPE = kvc.NOPE_DIM
-FP8_RECORD = kvc.layout("fp8_ds_mla").data_bytes  # an fp8_ds_mla record's bytes, scales apart
-FP8_PITCH = 656  # interpreter staging row pitch: 164 words, rows 4 banks apart
+# the records the memory warpgroup dequantizes: every format with scale bytes
+QUANTIZED_FORMATS = tuple(f for f in kvc.KV_FORMATS if kvc.layout(f).scale_bytes)
+STAGE_PITCH = 656  # interpreter staging row pitch (>= every record's data bytes): 164 words, rows 4 banks apart
+SCALE_GROUPS = 32  # interpreter scale factor rows per token: the most scales a record has (nvfp4_ds_mla)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 REG_BUDGET = 504  # registers per (memory, compute, compute) thread triple: 65536 // 384 rounded to 8, x 3
@@ -40,15 +42,20 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 @dataclasses.dataclass(frozen=True)
 class PoolSpec:
-    """A token pool: `kv_format` "fp8_ds_mla" (uint8 byte view of the cache) or "bf16" (rows [n, 512]);
-    `kpad` the per-row index count, a multiple of T."""
+    """A token pool: `kv_format` one of `QUANTIZED_FORMATS` (uint8 byte view of the cache) or "bf16" (rows
+    [n, 512]); `kpad` the per-row index count, a multiple of T."""
 
     kv_format: str
     kpad: int
 
     @property
-    def fp8(self) -> bool:
-        return self.kv_format == "fp8_ds_mla"
+    def quantized(self) -> bool:
+        """Records dequantized by the kernel (their scales come as a third operand), not bf16 rows."""
+        return self.kv_format in QUANTIZED_FORMATS
+
+    @property
+    def layout(self) -> kvc.RecordLayout:
+        return kvc.layout(self.kv_format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +84,18 @@ class KernelSpec:
         return self.num_splits == 1
 
     @property
-    def has_fp8(self) -> bool:
-        return any(p.fp8 for p in self.pools)
+    def has_quantized(self) -> bool:
+        return any(p.quantized for p in self.pools)
+
+    @property
+    def has_rope_bf16(self) -> bool:
+        """A pool of fp8_ds_mla records, whose RoPE dims are bf16 (the interpreter combines their bytes)."""
+        return any(p.kv_format == "fp8_ds_mla" for p in self.pools)
+
+    @property
+    def scale_pitch(self) -> int:
+        """Bytes per token of the GPU's scale buffer: the largest scale record of the pools."""
+        return max((p.layout.scale_bytes for p in self.pools if p.quantized), default=0)
 
     @property
     def registers(self) -> tuple[int, int]:
@@ -87,8 +104,8 @@ class KernelSpec:
         A CTA of 384 threads is launched with 168 registers per thread, 504 per (memory + 2 compute)
         thread triple; `setmaxnreg.inc` blocks until registers are free, so the three warpgroups must
         not ask for more than 504 in all (asking for more hangs the GPU). Multiples of 8. The memory
-        warpgroup needs 56 when it converts fp8 records, else 40."""
-        mem = 56 if self.has_fp8 else 40
+        warpgroup needs 56 when it converts quantized records, else 40."""
+        mem = 56 if self.has_quantized else 40
         return mem, (REG_BUDGET - mem) // 16 * 8
 
     @property
@@ -98,19 +115,19 @@ class KernelSpec:
 
     @property
     def scale_offsets(self) -> bool:
-        """fp8 scale operands locate the UE8M0 bytes (GPU: bytes past the record), not f32 factor rows."""
-        return self.has_fp8 and fp8_scale_offsets(self.interpret)
+        """Scale operands locate the scale bytes (GPU: bytes past the record), not f32 factor rows."""
+        return self.has_quantized and scale_offsets_mode(self.interpret)
 
     @property
     def xbufs(self) -> int:
         """Score-exchange buffers: two where SMEM allows (both warpgroups post at once), else one
-        (fp8 kernels: Q + 2 K tiles + 2 buffers + scale bytes + indices + sink exceed 227 KiB by
-        the 1 KiB alignment of each buffer)."""
+        (kernels of quantized pools: Q + 2 K tiles + 2 buffers + scale bytes + indices + sink exceed
+        227 KiB by the 1 KiB alignment of each buffer)."""
         return 2 if smem_bytes(self, xbufs=2) <= SMEM_LIMIT else 1
 
 
-def fp8_scale_offsets(interpret: bool) -> bool:
-    """Whether fp8 pools take scale locations (the GPU kernel reads the UE8M0 bytes itself) or
+def scale_offsets_mode(interpret: bool) -> bool:
+    """Whether quantized pools take scale locations (the GPU kernel reads the scale bytes itself) or
     f32 factor rows (the interpreter's Pallas-level dequantization). `ops` asks before it builds
     the operands, `KernelSpec.scale_offsets` after."""
     return not interpret
@@ -121,15 +138,16 @@ def smem_bytes(spec: KernelSpec, xbufs: int | None = None) -> int:
 
     The same figure for interpreter specs (whose extra buffers -- P and record staging, the RoPE
     combiner -- are not counted), so that CPU tests make the same choices (`xbufs`) as the GPU. The
-    scale buffer is counted as f32 [8, 64] rows (2 KiB; the GPU's byte rows take 0.5 KiB).
+    scale buffer is counted as 2 KiB: the GPU's byte rows [64, scale_pitch] take 0.5 / 1 / 2 KiB (fp8_ds_mla /
+    mxfp8_ds_mla / nvfp4_ds_mla; the interpreter's f32 factor rows take more).
     `xbufs`: count that many exchange buffers instead of `spec.xbufs`. Barriers: 1 KiB (they take
     < 100 B; the kernel asks for no reduction scratch)."""
     def al(n):
         return -(-n // 1024) * 1024
 
     total = al(HB * D * 2) + NBUF * al(T * D * 2) + al(NBUF * T * 4) + 1024  # Q, K, indices, barriers
-    if spec.has_fp8:  # scale factors
-        total += al(8 * T * 4)
+    if spec.has_quantized:  # scale bytes
+        total += al(T * 32)
     if spec.has_sink:
         total += al(HB * 4)
     total += (xbufs or spec.xbufs) * al(HB * T * 4)

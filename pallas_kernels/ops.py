@@ -2,15 +2,15 @@
 
 The XLA side only touches indices and per-entry metadata, never the KV data:
 - per pool and selected entry, the source of the token in the cache -- the index of its
-  fp8_ds_mla record in 576-byte units (`block * page_bytes / 576 + offset`; a page is a whole
-  number of records) or its bf16 row (the global slot) -- or -1 when the entry is masked (index < 0,
-  index >= capacity, or position >= topk_length); sources stay int32 for caches of any size and the
-  kernel forms 64-bit addresses;
-- for fp8_ds_mla pools, the entry's 8 scale bytes (7 UE8M0 exponents + pad): on the GPU their
-  distance in bytes from the record, read by the kernel itself; for the interpreter one 8-byte gather per entry,
-  turned into the factors 2^(e - 127) as f32 laid out [row, block, group, token], so the kernel
-  loads one group's per-token factors as one row vector; masked entries read nothing and get 0
-  (-1 offsets);
+  quantized record in units of the format's data bytes (576 / 512 / 256 for fp8_ds_mla / mxfp8_ds_mla /
+  nvfp4_ds_mla: `block * page_bytes / unit + offset`; a page is a whole number of units) or its bf16
+  row (the global slot) -- or -1 when the entry is masked (index < 0, index >= capacity, or position >=
+  topk_length); sources stay int32 for caches of any size and the kernel forms 64-bit addresses;
+- for quantized pools, the entry's scale bytes (fp8_ds_mla: 7 UE8M0 exponents + pad; mxfp8_ds_mla: 16
+  UE8M0; nvfp4_ds_mla: 32 e4m3): on the GPU their distance in bytes from the record, read by the kernel
+  itself; for the interpreter one gather per entry, turned into f32 factors (2^(e - 127), or the e4m3
+  value) laid out [row, block, group, token], so the kernel loads one group's per-token factors as one
+  row vector; masked entries read nothing and get 0 (-1 offsets);
 - per row and pool, the number of 64-token blocks `ceil(min(topk_length, topk) / 64)`.
 
 Splits: a fixed split of each row's valid blocks into `num_splits` equal parts (not FlashMLA's
@@ -34,12 +34,14 @@ from dsv41_jax.device import default_num_sms
 from pallas_kernels import _interpret
 from pallas_kernels._conversions import to_tile
 from pallas_kernels._kernel import build_kernel
-from pallas_kernels._spec import FP8_RECORD, HB, KernelSpec, PoolSpec, T, fp8_scale_offsets
+from pallas_kernels._spec import HB, QUANTIZED_FORMATS, SCALE_GROUPS, KernelSpec, PoolSpec, T, scale_offsets_mode
 
 __all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
-           "to_f16", "prefill_rows_f16", "num_splits_override", "kernel_options", "KV_FORMATS"]
+           "to_f16", "prefill_rows_f16", "decode_operands_f16", "num_splits_override", "kernel_options",
+           "KV_FORMATS", "V41_FORMATS"]
 
-KV_FORMATS = ("bf16", "fp8_ds_mla")  # the cache formats the kernels read
+KV_FORMATS = ("bf16",) + QUANTIZED_FORMATS  # the cache formats the kernels read
+V41_FORMATS = kvc.V41_FORMATS  # V4.1's records: decodes of these alone run on f16 operands
 
 
 _override = threading.local()
@@ -61,7 +63,8 @@ def kernel_options(*, f16: bool | None = None):
     """Choose the operand type of kernels traced inside (benchmarks, tests): `f16=True` runs Q, the
     K tile and P in float16 (one P V wgmma; values beyond +-65504 saturate; a decode call's bf16
     caches are converted, whole, per call), `f16=False` keeps bf16 operands with P = P_hi + P_lo,
-    exact over bf16's range. None leaves the choice as it is (default: f16 for large prefills only)."""
+    exact over bf16's range. None leaves the choice as it is (default: f16 for large prefills and for
+    decodes of V4.1 records only: `prefill_rows_f16`, `decode_operands_f16`)."""
     prev = getattr(_override, "options", {})
     _override.options = {**prev, **({} if f16 is None else {"f16": bool(f16)})}
     try:
@@ -86,21 +89,29 @@ def unsupported_reason(kv_format: str, cache) -> str | None:
     """Why the kernels cannot read this cache, or None."""
     if kv_format not in KV_FORMATS:
         return f"the pallas kernels read kv formats {list(KV_FORMATS)}, not {kv_format!r} (use impl='xla')"
-    if kv_format == "fp8_ds_mla" and _interpret.active() and cache.size >= 2**31 - 4096:
+    if kv_format != "bf16" and _interpret.active() and cache.size >= 2**31 - 4096:
         # the interpreter addresses records and scale rows with int32 byte arithmetic; the GPU kernel does not
-        return "in interpret mode the pallas kernels read fp8_ds_mla caches below 2 GiB (int32 byte offsets)"
+        return f"in interpret mode the pallas kernels read {kv_format} caches below 2 GiB (int32 byte offsets)"
     return None
+
+
+def _scale_factors(scale_bytes, kv_format: str):
+    """The interpreter's f32 factor of each scale byte: 2^(e - 127) (UE8M0; e = 0 -> 0, a byte the quantizer
+    never writes) or the e4m3 value (nvfp4_ds_mla; 0x7F is NaN, as in the reference)."""
+    if kv_format == "nvfp4_ds_mla":
+        return jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn).astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(scale_bytes.astype(jnp.int32) << 23, jnp.float32)
 
 
 def pool_operands(cache, kv_format: str, block_size: int, idx, lens, scale_offsets: bool = False):
     """(operands, PoolSpec, blocks per row) of one pool. idx int32 [R, K]; lens int32 [R].
 
-    Operands: the cache view, the sources src int32 [R, kpad] (fp8: the record's index in 576-byte
-    units; bf16: the row; -1 masked) and, for fp8 pools, the scale factors: f32 [R, kpad / 64, 8, 64]
-    (2^(e - 127) per block, group, token: the interpreter), or with `scale_offsets` (the GPU kernel,
-    which reads the 8 UE8M0 bytes itself) the bytes from the record to them, int32 [R, kpad] (-1
-    masked). Every source is int32 and every address the kernel forms is 64-bit, so caches of any size
-    are read."""
+    Operands: the cache view, the sources src int32 [R, kpad] (quantized formats: the record's index in
+    units of its data bytes; bf16: the row; -1 masked) and, for quantized pools, the scales: f32
+    [R, kpad / 64, SCALE_GROUPS, 64] (per block, scale group and token: the interpreter; groups past the
+    format's count are 0), or with `scale_offsets` (the GPU kernel, which reads the scale bytes itself)
+    the bytes from the record to them, int32 [R, kpad] (-1 masked). Every source is int32 and every
+    address the kernel forms is 64-bit, so caches of any size are read."""
     R, K = idx.shape
     kpad = max(_cdiv(K, T), 1) * T
     cap = kvc.cache_capacity(cache, kv_format, block_size)
@@ -112,25 +123,27 @@ def pool_operands(cache, kv_format: str, block_size: int, idx, lens, scale_offse
         src = jnp.where(valid, safe, -1)
         extra = ()
     else:
+        lay = kvc.layout(kv_format)
+        unit, sb = lay.data_bytes, lay.scale_bytes
         pb = kvc.page_bytes(kv_format, block_size)
         view = cache.reshape(-1)
         blk, t = safe // block_size, safe % block_size
-        # Record units (576 B; a page is a whole number of them) keep every cache below 1.2 TB in int32;
-        # the kernels form the 64-bit byte address.
-        src = jnp.where(valid, blk * (pb // FP8_RECORD) + t, -1)
+        # Record units (a page is a whole number of them) keep every cache of fewer than 2^31 records in int32
+        # (1.1 TiB of fp8_ds_mla, 0.5 TiB of nvfp4_ds_mla); the kernels form the 64-bit byte address.
+        src = jnp.where(valid, blk * (pb // unit) + t, -1)
         if scale_offsets:
-            # the entry's 8 UE8M0 bytes, as bytes past its record (small, whatever the cache's size)
-            ssrc = jnp.where(valid, (block_size - t) * FP8_RECORD + t * 8, -1)
+            # the entry's scale bytes, as bytes past its record (small, whatever the cache's size)
+            ssrc = jnp.where(valid, (block_size - t) * unit + t * sb, -1)
             extra = (jnp.pad(ssrc, ((0, 0), (0, kpad - K)), constant_values=-1).astype(jnp.int32),)
         else:
-            rows8 = cache.reshape(-1, 8)
-            scale_row = blk * (pb // 8) + block_size * (FP8_RECORD // 8) + t  # in 8-byte rows
-            # one 8-byte gather per entry; masked entries index past the end and read nothing (fill 0)
-            sc = rows8.at[jnp.where(valid, scale_row, rows8.shape[0])].get(mode="fill", fill_value=0)
-            sc = jnp.pad(sc, ((0, 0), (0, kpad - K), (0, 0)))  # [R, kpad, 8] uint8
-            # 2^(e - 127) as f32 (e = 0 -> 0), laid out [R, block, group, token] for per-token row loads
-            sf = jax.lax.bitcast_convert_type(sc.astype(jnp.int32) << 23, jnp.float32)
-            extra = (sf.reshape(R, kpad // T, T, 8).transpose(0, 1, 3, 2),)
+            rows = cache.reshape(-1, sb)
+            scale_row = blk * (pb // sb) + block_size * (unit // sb) + t  # in rows of sb bytes
+            # one gather per entry; masked entries index past the end and read nothing (fill 0)
+            sc = rows.at[jnp.where(valid, scale_row, rows.shape[0])].get(mode="fill", fill_value=0)
+            sc = jnp.pad(sc, ((0, 0), (0, kpad - K), (0, SCALE_GROUPS - sb)))  # [R, kpad, SCALE_GROUPS] uint8
+            sf = _scale_factors(sc, kv_format)
+            # laid out [R, block, group, token] for per-token row loads
+            extra = (sf.reshape(R, kpad // T, T, SCALE_GROUPS).transpose(0, 1, 3, 2),)
     if kpad > K:
         src = jnp.pad(src, ((0, 0), (0, kpad - K)), constant_values=-1)
     nblk = (jnp.clip(lens, 0, K) + T - 1) // T
@@ -227,10 +240,10 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
         sink_p = jnp.pad(sink.astype(jnp.float32), (0, Hp - h), constant_values=-jnp.inf) if Hp != h else sink
         args.append(sink_p.astype(jnp.float32))
     for ops, ps, _ in pools:
-        if ps.fp8 and (ops[2].ndim == 2) != spec.scale_offsets:  # operands built for another kernel
-            raise RuntimeError(f"fp8 scale operand of shape {ops[2].shape} does not match the kernel "
+        if ps.quantized and (ops[2].ndim == 2) != spec.scale_offsets:  # operands built for another kernel
+            raise RuntimeError(f"scale operand of shape {ops[2].shape} does not match the kernel "
                                f"(scale_offsets={spec.scale_offsets})")
-        if not ps.fp8 and spec.f16:
+        if not ps.quantized and spec.f16:
             ops = (to_f16(ops[0]),) + tuple(ops[1:])
         args.extend(ops)
     with _interpret.kernel_context():
@@ -253,7 +266,7 @@ def decode(call, *, num_splits: int | None = None):
     def rows(idx, lens):
         return idx.reshape(R, idx.shape[2]), jnp.repeat(lens.astype(jnp.int32), s_q)
 
-    so = fp8_scale_offsets(_interpret.active())  # the form of the kernel `_run` builds
+    so = scale_offsets_mode(_interpret.active())  # the form of the kernel `_run` builds
     tl, etl = call.lengths()
     pools = [pool_operands(call.kv_cache, call.kv_format, call.block_size, *rows(call.indices, tl), scale_offsets=so)]
     if call.has_extra:
@@ -261,9 +274,8 @@ def decode(call, *, num_splits: int | None = None):
                                    *rows(call.extra_indices, etl), scale_offsets=so))
     if call.batch_invariant:  # one program per row and head group over the whole row: no split-KV
         num_splits = 1
-    # bf16 operands: f16 ones (kernel_options(f16=True)) are no faster for decode, whose time the
-    # memory warpgroup's gather bounds (docs/pallas_kernels.md)
-    out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits)
+    out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits,
+                       f16=decode_operands_f16([ps.kv_format for _, ps, _ in pools]))
     return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
 
 
@@ -275,6 +287,16 @@ def prefill(call, *, num_splits: int | None = None):
     s_q, h, _ = call.q.shape
     return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits,
                 f16=prefill_rows_f16(kv.shape[0], s_q, call.indices.shape[1], h))
+
+
+def decode_operands_f16(kv_formats) -> bool:
+    """Whether a decode runs with f16 operands (`KernelSpec.f16`): when every pool holds V4.1 records
+    (mxfp8_ds_mla, nvfp4_ds_mla). The memory warpgroup's conversion bounds the decode, and theirs is one
+    e4m3x2 -> f16x2 conversion and one f16x2 multiply per pair in f16 against six instructions in bf16;
+    nvfp4 values never leave f16's range, mxfp8 ones beyond +-65504 saturate, as in the cuda kernels. fp8_ds_mla
+    pools (their RoPE chunks converted too) and bf16 pools (converted whole per call) stay bf16, where f16 is
+    no faster (benchmarks/RESULTS.md)."""
+    return all(f in V41_FORMATS for f in kv_formats)
 
 
 def prefill_rows_f16(s_kv: int, s_q: int, topk: int, h: int) -> bool:

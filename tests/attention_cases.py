@@ -596,6 +596,47 @@ def make_two_scale_decode_case(seed: int, h_q: int = 8, tiny: bool = False, fmt:
     return dataclasses.replace(case, kv_cache=cache)
 
 
+def make_v41_exact_decode_case(fmt: str, seed: int = 38, n: int = 64) -> tuple[DecodeCase, np.ndarray]:
+    """(case, want): a decode case whose extra cache holds random `fmt` records (V4.1: "nvfp4_ds_mla", every
+    e2m1 / e4m3 code, scales over e4m3's finite range, subnormals included; "mxfp8_ds_mla", every finite e4m3
+    code, UE8M0 exponents k in [-14, 7], exact in f16) and whose query token j attends to extra token j alone
+    (q = 0, so score 0 and weight 1; the main cache's lengths are 0), for j < n (n <= 64 query tokens). Every
+    head of output row j must then be `want[j]`, that token's dequantized value (bf16 [n, 512], exact), rounded
+    once to bf16: exactly it."""
+    rng = np.random.default_rng(seed)
+    p = 64
+    lay = kvc.layout(fmt)
+    rec = np.zeros((1, p, lay.record_bytes), np.uint8)
+    if fmt == "nvfp4_ds_mla":
+        rec[0, :, :256] = rng.integers(0, 256, (p, 256))
+        rec[0, :, 256:] = rng.choice(np.r_[0:0x7f, 0x80:0xff], (p, 32))  # no NaN scale (0x7f / 0xff)
+    elif fmt == "mxfp8_ds_mla":
+        codes = rng.integers(0, 256, (p, 512))
+        codes[(codes & 0x7f) == 0x7f] = 0x7e  # e4m3fn's NaN codes
+        rec[0, :, :512] = codes
+        rec[0, :, 512:] = rng.integers(127 - 14, 127 + 8, (p, 16))  # k in [-14, 7]: exact in f16
+    else:
+        raise ValueError(f"fmt must be 'nvfp4_ds_mla' or 'mxfp8_ds_mla', got {fmt!r}")
+    cache = kvc.pack_pages(jnp.asarray(rec), fmt)
+    want = np.asarray(kvc.dequantize(jnp.asarray(rec[0]), fmt))[:n]
+    case = make_decode_case(seed, b=1, s_q=n, h_q=16, topk=64, block_size=64, fmt="mxfp8_ds_mla", lengths="full",
+                            invalid_frac=0.0, sink="none", extra=dict(topk=64, block_size=p, fmt=fmt, lengths="full"))
+    eidx = np.full((1, n, 64), -1, np.int32)
+    eidx[0, :, 0] = np.arange(n)
+    case = dataclasses.replace(case, topk_length=jnp.zeros((1,), jnp.int32), extra_kv_cache=cache,
+                               extra_indices=jnp.asarray(eidx), q=jnp.zeros_like(case.q))
+    return case, want
+
+
+def assert_v41_exact(out, want) -> None:
+    """`make_v41_exact_decode_case`'s check: every head of out [1, n, h, 512] equals want (as values: a -0
+    code accumulates to +0)."""
+    got = np.asarray(out)[0]
+    for h in range(got.shape[1]):
+        np.testing.assert_array_equal(got[:, h].astype(np.float32), np.asarray(want).astype(np.float32),
+                                      err_msg=f"head {h}")
+
+
 def make_growing_scores_prefill_case(seed: int) -> PrefillCase:
     """A prefill case whose scores rise from one 64-token tile to the next by set amounts (natural log:
     tile means 0, +3, +12, +13 plus noise): for kernels that move their softmax base lazily (only when

@@ -535,33 +535,13 @@ def test_emulated_decode_v41_mma_sync_consumers(emu_mma_sync):
 
 @pytest.mark.parametrize("fmt", ["nvfp4_ds_mla", "mxfp8_ds_mla"])
 def test_emulated_v41_dequantization_is_exact(emu, fmt):
-    # Random records (every e2m1 / e4m3 code; nvfp4 scales over e4m3's finite range, subnormals included;
-    # mxfp8 exponents inside f16's exact range): query token j attends to token j alone (score 0, weight 1),
-    # so its output row is that token's dequantized value, rounded once to bf16.
-    rng = np.random.default_rng(38)
-    p = n = 64
-    lay = kv_cache.layout(fmt)
-    rec = np.zeros((1, p, lay.record_bytes), np.uint8)
-    if fmt == "nvfp4_ds_mla":
-        rec[0, :, :256] = rng.integers(0, 256, (p, 256))
-        rec[0, :, 256:] = rng.choice(np.r_[0:0x7f, 0x80:0xff], (p, 32))  # no NaN scale (0x7f / 0xff)
-    else:
-        codes = rng.integers(0, 256, (p, 512))
-        codes[(codes & 0x7f) == 0x7f] = 0x7e  # e4m3fn's NaN codes
-        rec[0, :, :512] = codes
-        rec[0, :, 512:] = rng.integers(127 - 14, 127 + 8, (p, 16))  # k in [-14, 7]: exact in f16
-    cache = kv_cache.pack_pages(jnp.asarray(rec), fmt)
-    want = np.asarray(kv_cache.dequantize(jnp.asarray(rec[0]), fmt))  # bf16 [n, 512], exact
-    case = make_decode_case(38, b=1, s_q=n, h_q=16, topk=64, block_size=64, fmt="mxfp8_ds_mla", lengths="full",
-                            invalid_frac=0.0, sink="none", extra=dict(topk=64, block_size=p, fmt=fmt, lengths="full"))
-    eidx = np.full((1, n, 64), -1, np.int32)
-    eidx[0, :, 0] = np.arange(n)
-    case = dataclasses.replace(case, topk_length=jnp.zeros((1,), jnp.int32), extra_kv_cache=cache,
-                               extra_indices=jnp.asarray(eidx), q=jnp.zeros_like(case.q))
+    # every code of the format: query token j attends to token j alone, so its output row is that token's
+    # dequantized value, rounded once to bf16
+    from tests.attention_cases import assert_v41_exact, make_v41_exact_decode_case
+
+    case, want = make_v41_exact_decode_case(fmt)
     out, _ = _check_decode(case, num_sms=4)
-    got = np.asarray(out)[0]  # [n, h, 512]
-    for h in (0, 15):  # (as values: a -0 code accumulates to +0)
-        np.testing.assert_array_equal(got[:, h].astype(np.float32), want.astype(np.float32))
+    assert_v41_exact(out, want)
 
 
 def test_emulated_decode_lengths_past_topk_and_poison(emu):

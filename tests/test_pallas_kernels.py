@@ -65,6 +65,25 @@ CASES = {
                                                         softmax_scale=0.5), None, False),
     "prefill_no_lengths_splits2_races": ("prefill", dict(s_q=1, h_q=16, topk=256, s_kv=300, lengths="none"), 2, True,
                                          dict(f16=True)),
+    # V4.1 records: mxfp8_ds_mla and nvfp4_ds_mla pools, next to each other and next to a V4 pool (one kernel reads
+    # any mix), both operand types
+    "decode_mx_p61_extra_nv_p2_sinkinf": ("decode", dict(fmt="mxfp8_ds_mla", block_size=61, topk=128, h_q=16, b=2,
+                                                         s_q=1, s_kv=300, sink="inf",
+                                                         extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla",
+                                                                    lengths="var")), None, False),
+    "decode_nv_extra_mx_invalid_rows_f16": ("decode", dict(fmt="nvfp4_ds_mla", block_size=64, topk=64, h_q=8, b=3,
+                                                           s_q=1, all_invalid_row=True,
+                                                           extra=dict(topk=128, block_size=69, fmt="mxfp8_ds_mla")),
+                                            None, False, dict(f16=True)),
+    "decode_mx_extra_fp8_splits2": ("decode", dict(fmt="mxfp8_ds_mla", block_size=64, topk=128, h_q=8, b=1, s_q=2,
+                                                   s_kv=300, extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")),
+                                    2, False),
+    # every code of a V4.1 format dequantized exactly (tests/attention_cases.make_v41_exact_decode_case; 16 query
+    # tokens, 8192 values: every e2m1 / e4m3 code, most scale bytes)
+    "exact_nvfp4": ("decode_exact", dict(fmt="nvfp4_ds_mla"), None, False),
+    "exact_nvfp4_f16": ("decode_exact", dict(fmt="nvfp4_ds_mla"), None, False, dict(f16=True)),
+    "exact_mxfp8": ("decode_exact", dict(fmt="mxfp8_ds_mla"), None, False),
+    "exact_mxfp8_f16": ("decode_exact", dict(fmt="mxfp8_ds_mla"), None, False, dict(f16=True)),
     # with a plan and batch_invariant=True (one split where the heuristic picks two): a sub-batch's rows are
     # bitwise the rows of the whole batch
     "decode_fp8_plan_batch_invariant": ("decode_invariant", dict(fmt="fp8_ds_mla", block_size=64, topk=512, h_q=8, b=3,
@@ -80,7 +99,7 @@ def _run_case(name: str) -> dict:
     import dsv41_jax as d
     import pallas_kernels
     from pallas_kernels import _interpret
-    from tests.attention_cases import make_decode_case, make_prefill_case
+    from tests.attention_cases import assert_v41_exact, make_decode_case, make_prefill_case, make_v41_exact_decode_case
 
     kind, kw, splits, races, *opts = CASES[name]
     seed = sum(map(ord, name))
@@ -90,6 +109,10 @@ def _run_case(name: str) -> dict:
         if kind == "decode":
             case = make_decode_case(seed, **kw)
             res = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))(*case.args())
+        elif kind == "decode_exact":
+            case, want = make_v41_exact_decode_case(kw["fmt"], n=16)
+            res = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))(*case.args())
+            assert_v41_exact(res[0], want)
         elif kind == "decode_invariant":
             case = make_decode_case(seed, **kw)
             q, cache, idx, tl = case.args()
@@ -105,7 +128,9 @@ def _run_case(name: str) -> dict:
             case = make_prefill_case(seed, **kw)
             res = jax.jit(lambda *a: d.sparse_mla_prefill(*a, **case.kwargs(), impl="pallas"))(*case.args())
         res = jax.block_until_ready(res)
-    if kind != "prefill":
+    if kind == "decode_exact":
+        pass  # checked exactly above
+    elif kind != "prefill":
         case.check(*res, name)
     else:
         case.check(res, name)
@@ -181,6 +206,13 @@ LOWER_CASES = {
     "prefill_f16": ("prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None, dict(f16=True)),
     "decode_fp8_f16": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=64, b=2, s_q=2), None,
                        dict(f16=True)),
+    "decode_mx_extra_nv": ("decode", dict(fmt="mxfp8_ds_mla", block_size=256, topk=128, h_q=64, b=2, s_q=2,
+                                          extra=dict(topk=128, block_size=64, fmt="nvfp4_ds_mla")), None),
+    "decode_nv_extra_fp8_f16_splits": ("decode", dict(fmt="nvfp4_ds_mla", block_size=61, topk=128, h_q=128, b=1,
+                                                      s_q=1, extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")),
+                                       2, dict(f16=True)),
+    "decode_mx_f16": ("decode", dict(fmt="mxfp8_ds_mla", block_size=64, topk=128, h_q=8, b=2, s_q=2), None,
+                      dict(f16=True)),
 }
 
 
@@ -222,23 +254,20 @@ def test_registration_supports_and_availability():
     import dsv41_jax as d
     import pallas_kernels
     from dsv41_jax import kv_cache as kvc
+    from dsv41_jax.sparse_mla.base import make_decode_call
 
     assert "pallas" in d.attention.decode_impls() and "pallas" in d.attention.prefill_impls()
     assert pallas_kernels.availability_reason() is not None  # CPU: not runnable natively
     q = jnp.zeros((1, 1, 4, 512), jnp.bfloat16)
     idx = jnp.zeros((1, 1, 64), jnp.int32)
-    for kv_format in ("mxfp8_ds_mla", "nvfp4_ds_mla"):
-        cache = kvc.allocate(2, 64, kv_format)
-        with pytest.raises(ValueError, match="pallas"):
-            d.sparse_mla_decode(q, cache, idx, kv_format=kv_format, block_size=64, softmax_scale=0.1, impl="pallas")
-        # auto falls back to the reference
-        out, lse = d.sparse_mla_decode(q, cache, idx, kv_format=kv_format, block_size=64, softmax_scale=0.1, impl="auto")
-        assert out.shape == q.shape and lse.shape == (1, 1, 4)
-    mx_cache = kvc.allocate(2, 64, "fp8_ds_mla")
-    with pytest.raises(ValueError, match="pallas"):
-        d.sparse_mla_decode(q, mx_cache, idx, kv_format="fp8_ds_mla", block_size=64, softmax_scale=0.1, impl="pallas",
-                            extra_kv_cache=kvc.allocate(2, 32, "nvfp4_ds_mla"), extra_indices=idx,
-                            extra_kv_format="nvfp4_ds_mla", extra_block_size=32)
+    # every cache format, alone or next to any other as the extra cache
+    for main in kvc.KV_FORMATS:
+        for extra in (None,) + kvc.KV_FORMATS:
+            ex = (None, None, None, None, None) if extra is None else (kvc.allocate(2, 32, extra), idx, None, extra, 32)
+            call = make_decode_call(q, kvc.allocate(2, 64, main), idx, None, main, 64, 0.1, None, *ex)
+            assert pallas_kernels.decode_supports(call) is None, (main, extra)
+    with pytest.raises(ValueError, match="kv_format"):
+        pallas_kernels.ops.pool_operands(kvc.allocate(2, 64, "bf16"), "fp4", 64, idx[0], jnp.ones((1,), jnp.int32))
 
 
 # ------------------------------------------------------------------- static checks, operands
@@ -262,13 +291,24 @@ def test_kernel_spec_checks_and_smem():
         assert smem_bytes(spec) <= SMEM_LIMIT, (spec, smem_bytes(spec))
         assert spec.registers[0] + 2 * spec.registers[1] <= 504 and spec.registers[1] % 8 == 0
         build_kernel(spec)
+    # V4.1 pools: the scale buffer's rows hold the largest scale record of the call's pools
+    mx, nv = PoolSpec("mxfp8_ds_mla", 128), PoolSpec("nvfp4_ds_mla", 128)
+    assert KernelSpec(pools=(mx, nv), **base).scale_pitch == 32 and KernelSpec(pools=(fp8, mx), **base).scale_pitch == 16
+    assert KernelSpec(pools=(fp8,), **base).scale_pitch == 8 and rows.scale_pitch == 0
+    for pools in ((mx, nv), (nv,), (mx, fp8), (bf16, nv)):
+        for f16 in (False, True):
+            spec = KernelSpec(pools=pools, f16=f16, **base)
+            assert smem_bytes(spec) <= SMEM_LIMIT and spec.registers == (56, 224) and spec.xbufs == 1, spec
+            build_kernel(spec)
     with pytest.raises(ValueError, match="kv_format"):
         _gather.issue_block("fp8_direct")
+    with pytest.raises(ValueError, match="scale_pitch must be at least nvfp4_ds_mla's 32"):
+        _gather.issue_block("nvfp4_ds_mla", scale_pitch=16)
 
 
 def test_operand_mode_choice():
-    """f16 operands for prefill when converting kv costs less than the P_lo wgmma saved, never by
-    default for decode; `kernel_options` chooses the operand type and nothing else."""
+    """f16 operands for prefill when converting kv costs less than the P_lo wgmma saved, for decode only of
+    V4.1 records; `kernel_options` chooses the operand type and nothing else."""
     import jax.numpy as jnp
 
     import pallas_kernels
@@ -276,6 +316,10 @@ def test_operand_mode_choice():
     from pallas_kernels._spec import KernelSpec, PoolSpec
 
     assert _ops.prefill_rows_f16(65536, 4096, 2048, 128)  # the benchmark's prefill
+    # decode: f16 operands where every pool holds V4.1 records
+    assert _ops.decode_operands_f16(["mxfp8_ds_mla", "nvfp4_ds_mla"]) and _ops.decode_operands_f16(["nvfp4_ds_mla"])
+    for formats in (["fp8_ds_mla"], ["bf16"], ["mxfp8_ds_mla", "fp8_ds_mla"], ["bf16", "nvfp4_ds_mla"]):
+        assert not _ops.decode_operands_f16(formats), formats
     assert not _ops.prefill_rows_f16(300, 4, 128, 128) and not _ops.prefill_rows_f16(2**20, 16, 2048, 128)
     base = dict(rows=2, heads=64, num_splits=1, softmax_scale=0.1, has_sink=False, interpret=False)
     fp8 = PoolSpec("fp8_ds_mla", 128)
@@ -297,25 +341,37 @@ def test_benchmark_script_needs_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
-def test_fp8_scale_factor_operand():
-    """pool_operands' f32 scale rows: [row, block, group, token] = 2^(e - 127) of the entry's UE8M0 byte g."""
+@pytest.mark.parametrize("kv_format", ["fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla"])
+def test_scale_factor_operand(kv_format):
+    """pool_operands' f32 scale rows: [row, block, group, token] = the factor of the entry's scale byte g
+    (UE8M0: 2^(e - 127), e = 0 -> 0; nvfp4_ds_mla: the e4m3 value), 0 past the format's scale count; and the
+    GPU's form: the same bytes located past the record (whose index is in units of the data bytes)."""
     import jax.numpy as jnp
 
     from dsv41_jax import kv_cache as kvc
     from pallas_kernels import ops as _ops
 
+    lay = kvc.layout(kv_format)
+    unit, sb = lay.data_bytes, lay.scale_bytes
     rng = np.random.default_rng(5)
     bs, nb = 3, 40
-    pb = kvc.page_bytes("fp8_ds_mla", bs)
+    pb = kvc.page_bytes(kv_format, bs)
     cache = rng.integers(0, 256, (nb, pb), dtype=np.uint8)
     cap = nb * bs
     idx = rng.integers(0, cap, (2, 70)).astype(np.int32)
     idx[0, 5] = -1
     idx[1, 7] = cap  # out of range: masked
     lens = np.array([70, 40], np.int32)
-    ops, spec, nblk = _ops.pool_operands(jnp.asarray(cache), "fp8_ds_mla", bs, jnp.asarray(idx), jnp.asarray(lens))
+
+    def factor(e):
+        if kv_format == "nvfp4_ds_mla":
+            return e.astype(np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+        with np.errstate(over="ignore"):  # byte 255: 2^128 is inf in f32, as in the operand
+            return np.where(e == 0, 0.0, np.ldexp(1.0, e.astype(np.int64) - 127)).astype(np.float32)
+
+    ops, spec, nblk = _ops.pool_operands(jnp.asarray(cache), kv_format, bs, jnp.asarray(idx), jnp.asarray(lens))
     view, src, sf = (np.asarray(x) for x in ops)
-    assert spec.kpad == 128 and sf.shape == (2, 2, 8, 64) and sf.dtype == np.float32
+    assert spec.kpad == 128 and sf.shape == (2, 2, 32, 64) and sf.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(nblk), [2, 1])
     for r in range(2):
         for k in range(128):
@@ -326,12 +382,11 @@ def test_fp8_scale_factor_operand():
                 assert src[r, k] == -1 and not got.any(), (r, k)
                 continue
             blk, t = divmod(int(i), bs)
-            assert src[r, k] * 576 == blk * pb + t * 576  # the record's index in 576-byte units
-            e = cache[blk, bs * 576 + t * 8: bs * 576 + t * 8 + 8].astype(np.int64)
-            want = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)
-            np.testing.assert_array_equal(got, want, err_msg=f"row {r} entry {k}")
-    # the GPU kernel's form: the same 8 bytes located as bytes past the record, -1 masked
-    ops2, _, _ = _ops.pool_operands(jnp.asarray(cache), "fp8_ds_mla", bs, jnp.asarray(idx), jnp.asarray(lens),
+            assert src[r, k] * unit == blk * pb + t * unit  # the record's index in units of its data bytes
+            e = cache[blk, bs * unit + t * sb: bs * unit + (t + 1) * sb]
+            np.testing.assert_array_equal(got[:sb], factor(e), err_msg=f"row {r} entry {k}")
+            assert not got[sb:].any()
+    ops2, _, _ = _ops.pool_operands(jnp.asarray(cache), kv_format, bs, jnp.asarray(idx), jnp.asarray(lens),
                                     scale_offsets=True)
     view2, src2, ssrc = (np.asarray(x) for x in ops2)
     assert ssrc.shape == (2, 128) and ssrc.dtype == np.int32
@@ -341,10 +396,9 @@ def test_fp8_scale_factor_operand():
             if src[r, k] < 0:
                 assert ssrc[r, k] == -1, (r, k)
             else:
-                at = src[r, k] * 576 + ssrc[r, k]
-                got8 = view2[at: at + 8]
-                np.testing.assert_array_equal(np.where(got8 == 0, 0.0, np.ldexp(1.0, got8.astype(np.int64) - 127)),
-                                              sf[r, k // 64, :, k % 64], err_msg=f"row {r} entry {k}")
+                at = src[r, k] * unit + ssrc[r, k]
+                np.testing.assert_array_equal(factor(view2[at: at + sb]), sf[r, k // 64, :sb, k % 64],
+                                              err_msg=f"row {r} entry {k}")
 
 
 # ----------------------------------------------------- interpret results (run last: they wait)

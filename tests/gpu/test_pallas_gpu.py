@@ -3,12 +3,13 @@
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 -m pytest -q -m gpu tests/gpu/test_pallas_gpu.py
 
-- the shared decode / prefill grids (tests/attention_cases.py) against the float64 oracle with
-  FlashMLA's tolerances (mxfp8 / nvfp4 cases are skipped: the kernels read bf16 and fp8_ds_mla);
+- the shared decode / prefill grids (tests/attention_cases.py) and the V4.1 decode grid (mxfp8_ds_mla and
+  nvfp4_ds_mla pools) against the float64 oracle with FlashMLA's tolerances, in both operand modes; every
+  V4.1 code dequantized exactly; mxfp8's fast and f32 f16 paths; the V4.1-Flash shape against xla;
 - a few grid cases again with a forced split count (partial outputs + combine);
 - large cases against the xla reference: decode b=128, s_q=2, h=128, topk 2048 (fp8_ds_mla),
   decode b=4 with topk 2048 + extra 1024 (splits), prefill s_q=512, h=128, topk 2048;
-- determinism: two runs are bitwise equal;
+- determinism: two runs are bitwise equal; caches past 4 GiB in each quantized format;
 - both operand modes (`kernel_options(f16=...)`: f16 Q / K / P, the default for large prefill; bf16
   with P = P_hi + P_lo, the default for decode and small prefill) on grid cases run in the other mode, the f16 conversion's saturation, and the fp8 -> f16 conversion's
   fast (exponents 113..134) and f32 paths (tokens of both ranges, and tiny ones only on the f32 path).
@@ -28,11 +29,14 @@ from dsv41_jax import sparse_mla_decode, sparse_mla_prefill  # noqa: E402
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
     PREFILL_GRID,
+    V41_DECODE_GRID,
     assert_close,
+    assert_v41_exact,
     make_decode_case,
     make_prefill_case,
     make_saturating_prefill_case,
     make_two_scale_decode_case,
+    make_v41_exact_decode_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -85,6 +89,31 @@ def test_decode_grid(name, splits, mode):
     case.check(*_decode(case, splits=splits, **(dict(f16=True) if mode == "other" else {})), f"{name} {mode}")
 
 
+V41_IDS = [n for n, _ in V41_DECODE_GRID]
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16_ops", "f16_ops"])
+@pytest.mark.parametrize("name", V41_IDS)
+def test_v41_decode_grid(name, f16):
+    i = V41_IDS.index(name)
+    case = make_decode_case(300 + i, **V41_DECODE_GRID[i][1])
+    case.check(*_decode(case, f16=f16), f"{name} f16={f16}")
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16_ops", "f16_ops"])
+@pytest.mark.parametrize("fmt", ["nvfp4_ds_mla", "mxfp8_ds_mla"])
+def test_v41_dequantization_is_exact(fmt, f16):
+    case, want = make_v41_exact_decode_case(fmt)
+    assert_v41_exact(_decode(case, f16=f16)[0], want)
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_mxfp8_to_f16_both_paths(tiny):
+    case = make_two_scale_decode_case(35, h_q=64, tiny=tiny, fmt="mxfp8_ds_mla",
+                                      extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla", lengths="full"))
+    case.check(*_decode(case, f16=True), f"mxfp8 two scale ranges tiny={tiny}")
+
+
 @pytest.mark.parametrize("name,splits,f16", [(n, None, None) for n in PREFILL_IDS] + [(n, 2, None) for n in SPLIT_PREFILL]
                          + [(n, None, True) for n in PREFILL_IDS] + [(n, 2, True) for n in SPLIT_PREFILL])
 def test_prefill_grid(name, splits, f16):
@@ -121,6 +150,13 @@ LARGE_DECODE = {
                                                                  s_kv=2048)),
     "b64_h64_swa128_extra512_bf16_fp8": dict(b=64, s_q=2, h_q=64, topk=128, block_size=256, fmt="bf16",
                                              s_kv=1024, extra=dict(topk=512, block_size=64, fmt="fp8_ds_mla")),
+    # V4.1-Flash: SWA 128 from mxfp8_ds_mla pages of 256, compressed 512 from nvfp4_ds_mla pages of 64
+    "b64_h64_swa128_mxfp8_extra512_nvfp4": dict(b=64, s_q=2, h_q=64, topk=128, block_size=256, fmt="mxfp8_ds_mla",
+                                                s_kv=1024, extra=dict(topk=512, block_size=64, fmt="nvfp4_ds_mla",
+                                                                      s_kv=4096)),
+    "b16_h128_swa128_mxfp8_extra1024_nvfp4": dict(b=16, s_q=2, h_q=128, topk=128, block_size=256,
+                                                  fmt="mxfp8_ds_mla", s_kv=1024,
+                                                  extra=dict(topk=1024, block_size=64, fmt="nvfp4_ds_mla", s_kv=4096)),
 }
 
 
@@ -181,8 +217,9 @@ def test_plan_and_batch_invariance():
         np.testing.assert_array_equal(np.asarray(x, np.float32)[perm], np.asarray(y, np.float32))
 
 
-def test_decode_reads_a_cache_past_4_gib():
-    """A 4.5 GiB fp8_ds_mla cache, poisoned with 0xFF bytes (NaN records, huge scales) except the rows
+@pytest.mark.parametrize("kv_format", ["fp8_ds_mla", "mxfp8_ds_mla", "nvfp4_ds_mla"])
+def test_decode_reads_a_cache_past_4_gib(kv_format):
+    """A 4.5 GiB cache, poisoned with 0xFF bytes (NaN records, huge or NaN scales) except the rows
     written; the selected slots lie beyond 2^31 and 2^32 bytes (and a few at the start, some masked).
     The pallas decode matches the reference and stays finite."""
     import jax.numpy as jnp
@@ -190,7 +227,7 @@ def test_decode_reads_a_cache_past_4_gib():
     from dsv41_jax import kv_cache
 
     bs, b, s_q, h_q, topk = 64, 2, 2, 64, 128
-    pb = kv_cache.page_bytes("fp8_ds_mla", bs)
+    pb = kv_cache.page_bytes(kv_format, bs)
     num_blocks = -(-(9 << 29) // pb)
     rng = np.random.default_rng(45)
     first_high = -(-(2**31) // pb) + 1
@@ -200,14 +237,14 @@ def test_decode_reads_a_cache_past_4_gib():
     assert int(high.min()) // bs * pb >= 2**31 and int(high.max()) // bs * pb >= 2**32
     kv = rng.standard_normal((slots.size, 512), np.float32) * np.exp(rng.uniform(-1, 1, (slots.size, 1)))
     cache = jnp.full((num_blocks, pb), 0xFF, jnp.uint8)
-    insert = jax.jit(lambda c, x, s: kv_cache.insert(c, x, s, kv_format="fp8_ds_mla", block_size=bs), donate_argnums=0)
+    insert = jax.jit(lambda c, x, s: kv_cache.insert(c, x, s, kv_format=kv_format, block_size=bs), donate_argnums=0)
     cache = insert(cache, jnp.asarray(kv, jnp.bfloat16), jnp.asarray(slots))
     idx = rng.permutation(slots).reshape(b, s_q, topk)
     idx[:, :, rng.choice(topk, 9, replace=False)] = -1  # masked entries too
     q = jnp.asarray(rng.standard_normal((b, s_q, h_q, 512), np.float32), jnp.bfloat16)
     lens = jnp.array([topk, topk - 37], jnp.int32)
     sink = jnp.asarray(rng.standard_normal(h_q), jnp.float32)
-    kw = dict(kv_format="fp8_ds_mla", block_size=bs, softmax_scale=512 ** -0.5, attn_sink=sink)
+    kw = dict(kv_format=kv_format, block_size=bs, softmax_scale=512 ** -0.5, attn_sink=sink)
 
     def run(impl):
         f = jax.jit(lambda *a: sparse_mla_decode(*a, impl=impl, **kw))
