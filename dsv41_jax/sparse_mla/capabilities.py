@@ -219,12 +219,13 @@ PALLAS_SPARSE_DSV41 = BackendSpec(
     impl="pallas",
     priority=20,
     supported_dtypes=("bfloat16",),
-    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16"),
+    supported_kv_cache_dtypes=("auto", "fp8_ds_mla", "fp8", "bf16", "mxfp8_ds_mla", "nvfp4_ds_mla"),
     supported_head_sizes=(LATENT_DIM,),
     platforms=("cuda",),
     compute_capability_majors=(9, 10),
     kernel_block_sizes=lambda cc: None,
-    notes="Pallas Mosaic GPU kernels (pallas_kernels/); any page size.",
+    notes=("Pallas Mosaic GPU kernels (pallas_kernels/); any page size; decode reads every cache format in any mix "
+           "of main and extra cache (V4.1's records dequantized by the kernel)."),
 )
 
 XLA_SPARSE_DSV41 = BackendSpec(
