@@ -295,6 +295,63 @@ def _warp_sync():
     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.warp.sync -1;", "", has_side_effects=True)
 
 
+def _block_sources(src64, ssrc64, next64, snext64, lane, warp):
+    """(sources, scale distances, next block's sources, next scale distances): lane l (mod 16) holds those of
+    token w + 4 (l % 16), read by each lane itself; `_shfl` hands token w + 4 k's to the warp."""
+    i64 = ir.IntegerType.get_signless(64)
+    my_tok4 = arith.extui(i64, arith.muli(arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4))),
+                                          _i32(4)))
+    return tuple(_ld_b32(arith.addi(a, my_tok4)) for a in (src64, ssrc64, next64, snext64))
+
+
+def _bf16_pairs(word, sc):
+    """4 e4m3 bytes (i32) times the f32 scale of bits `sc` -> 2 bf16x2 words."""
+    i16 = ir.IntegerType.get_signless(16)
+    f = llvm.bitcast(ir.F32Type.get(), sc)
+    lo = arith.trunci(i16, word)
+    hi = arith.trunci(i16, arith.shrui(word, _i32(16)))
+    return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
+
+
+def _e4m3_lane(words, e, f16: bool, low):
+    """One lane's 16 e4m3 bytes (`words`: half 0's 8, then half 1's) times 2^(e - 127) of its UE8M0 bytes
+    e = (half 0's, half 1's) -> 8 f16x2 (`_e4m3_token_f16`, `low` as there) or bf16x2 words."""
+    if f16:
+        return _e4m3_token_f16(words, e[0], e[1], low)
+    sc0, sc1 = (arith.shli(x, _i32(23)) for x in e)  # 2^(e - 127) as f32 bits (e = 0 -> 0)
+    return _bf16_pairs(words[0], sc0) + _bf16_pairs(words[1], sc0) + _bf16_pairs(words[2], sc1) + \
+        _bf16_pairs(words[3], sc1)
+
+
+def _token_bytes(k, raw0, raw1, nwords: int, s0_off, s1_off, pitch: int):
+    """Token k's raw words (`nwords` of half 0, then of half 1) and its two scale bytes (i32)."""
+    words = _lds(nwords, _row_at(raw0, k)) + _lds(nwords, _row_at(raw1, k))
+    return words, [_lds_u8(arith.addi(s0_off, _i32(4 * pitch * k))), _lds_u8(arith.addi(s1_off, _i32(4 * pitch * k)))]
+
+
+def _await_group(k: int, per: int) -> bool:
+    """Before token k's reads: wait for its commit group when k opens one (True then)."""
+    if k % per:
+        return False
+    _wait(_GROUPS - 1 - k // per)
+    _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
+    return True
+
+
+def _convert_tokens(load, convert, store):
+    """The warp's 16 tokens: load(k) -> convert(*loaded) -> store(k, words), software-pipelined by one token:
+    token k + 1's reads (another row) are issued before token k's conversion, so their latency overlaps it
+    (each warp has one token chain otherwise)."""
+    nxt = load(0)
+    for k in range(T // 4):
+        cur = nxt
+        if k + 1 < T // 4:
+            nxt = load(k + 1)
+        w = convert(*cur)
+        _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
+        store(k, w)
+
+
 _GROUPS = 4  # cp.async groups per fp8 block: the conversion of one overlaps the later ones' copies
 assert (T // 4 // _GROUPS) % 4 == 0  # f16: a group's RoPE chunks (8 per token) cover the warp's lanes
 
@@ -318,16 +375,8 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
     also rewrites one RoPE chunk of the group's tokens (bf16 -> f16, `_chunk_to_f16`)."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
-    i16 = ir.IntegerType.get_signless(16)
-    f32 = ir.F32Type.get()
     lane16_64 = arith.extui(i64, arith.muli(lane, _i32(16)))
-    # lane l (mod 16) holds the source of token w + 4 (l % 16), of this block and of the next
-    my_tok4 = arith.extui(i64, arith.muli(arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4))),
-                                          _i32(4)))
-    offs = _ld_b32(arith.addi(src64, my_tok4))
-    soffs = _ld_b32(arith.addi(ssrc64, my_tok4))
-    noffs = _ld_b32(arith.addi(next64, my_tok4))
-    nsoffs = _ld_b32(arith.addi(snext64, my_tok4))
+    offs, soffs, noffs, nsoffs = _block_sources(src64, ssrc64, next64, snext64, lane, warp)
     nope = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(28))
     tail = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(4)))
     lane4 = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(4)))
@@ -377,42 +426,19 @@ def _fp8_in_place(cache64, src64, ssrc64, next64, snext64, dst32, sc_smem32, lan
         kk = arith.shrui(lane, _i32(3))
         rope = _row_at(_row_base(dst32, 1, warp, arith.addi(arith.andi(lane, _i32(7)), _i32(24))), kk)
 
-    def conv(word, sc):
-        f = llvm.bitcast(f32, sc)
-        lo = arith.trunci(i16, word)
-        hi = arith.trunci(i16, arith.shrui(word, _i32(16)))
-        return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
-
     def load(k):
         """Token k's raw words (4 x i32: half 0's 8 bytes, then half 1's) and scale bytes (i32 x 2),
         once its commit group has landed (and, f16, the group's RoPE chunks rewritten)."""
-        if k % per == 0:
-            _wait(_GROUPS - 1 - k // per)
-            _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
-            if f16:
-                for k0 in range(k, k + per, 4):
-                    _chunk_to_f16(arith.addi(rope, _i32((k0 // 2) * 4096)))
-        words = _lds(2, _row_at(raw0, k)) + _lds(2, _row_at(raw1, k))
-        return words, [_lds_u8(arith.addi(s0_off, _i32(4 * pitch * k))),
-                       _lds_u8(arith.addi(s1_off, _i32(4 * pitch * k)))]
+        if _await_group(k, per) and f16:
+            for k0 in range(k, k + per, 4):
+                _chunk_to_f16(arith.addi(rope, _i32((k0 // 2) * 4096)))
+        return _token_bytes(k, raw0, raw1, 2, s0_off, s1_off, pitch)
 
-    def convert(words, e):
-        if f16:
-            return _e4m3_token_f16(words, e[0], e[1], low32)
-        sc0, sc1 = (arith.shli(x, _i32(23)) for x in e)  # 2^(e - 127) as f32 bits (e = 0 -> 0)
-        return conv(words[0], sc0) + conv(words[1], sc0) + conv(words[2], sc1) + conv(words[3], sc1)
-
-    # Software-pipelined by one token: token k + 1's reads (another row) are issued before token k's
-    # conversion, so their latency overlaps it (each warp has one token chain otherwise).
-    nxt = load(0)
-    for k in range(T // 4):
-        cur = nxt
-        if k + 1 < T // 4:
-            nxt = load(k + 1)
-        w = convert(*cur)
-        _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
+    def store(k, w):
         _st_v4(_row_at(out0, k), w[:4])
         _if(low32, "st.shared.v4.b32 [$1], {$2, $3, $4, $5};", [_row_at(out1, k), *w[4:]], "r,r,r,r,r")
+
+    _convert_tokens(load, lambda words, e: _e4m3_lane(words, e, f16, low32), store)
 
 
 def _nvfp4_word_asm(f16: bool) -> str:
@@ -464,19 +490,10 @@ def _v41_in_place(kv_format, cache64, src64, ssrc64, next64, snext64, dst32, sc_
     fp8_ds_mla's NoPE bytes do (`_e4m3_token_f16` / `_e4m3x2_to_bf16x2`), nvfp4 with `_nvfp4_word`."""
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
-    i16 = ir.IntegerType.get_signless(16)
-    f32 = ir.F32Type.get()
     nv = kv_format == "nvfp4_ds_mla"
-    lay = kvc.layout(kv_format)
-    unit = lay.data_bytes
-    lane16 = arith.muli(lane, _i32(16))
-    lane16_64 = arith.extui(i64, lane16)
-    my_tok4 = arith.extui(i64, arith.muli(arith.addi(warp, arith.muli(arith.andi(lane, _i32(15)), _i32(4))),
-                                          _i32(4)))
-    offs = _ld_b32(arith.addi(src64, my_tok4))
-    soffs = _ld_b32(arith.addi(ssrc64, my_tok4))
-    noffs = _ld_b32(arith.addi(next64, my_tok4))
-    nsoffs = _ld_b32(arith.addi(snext64, my_tok4))
+    unit = kvc.layout(kv_format).data_bytes
+    lane16_64 = arith.extui(i64, arith.muli(lane, _i32(16)))
+    offs, soffs, noffs, nsoffs = _block_sources(src64, ssrc64, next64, snext64, lane, warp)
     sc_row = arith.addi(sc_smem32, arith.muli(warp, _i32(pitch)))  # row tok = warp + 4 k: 4 pitch k further
     per = T // 4 // _GROUPS
     dst_base = _row_base(dst32, 0, warp, lane)  # chunk `lane` of the token's half-0 row
@@ -513,57 +530,34 @@ def _v41_in_place(kv_format, cache64, src64, ssrc64, next64, snext64, dst32, sc_
         _if(arith.extui(i32, nvalid), "prefetch.global.L2 [$1];", [arith.addi(nbase, off_b)], "l")
     _if(arith.extui(i32, arith.andi(nvalid, lower)), "prefetch.global.L2 [$1];", [_past(nbase, nvalid, nsoffs)], "l")
 
-    if nv:  # half 0's bytes 4 l (chunk l / 4), half 1's 128 + 4 l (chunk 8 + l / 4)
-        sub = arith.muli(arith.andi(lane, _i32(3)), _i32(4))
-        q = arith.shrui(lane, _i32(2))
-        raw0 = arith.addi(_row_base(dst32, 0, warp, q), sub)
-        raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(q, _i32(8))), sub)
-        g0 = arith.shrui(lane, _i32(1))
-        s0_off, s1_off = arith.addi(sc_row, g0), arith.addi(sc_row, arith.addi(g0, _i32(16)))
-        nwords = 1
-    else:  # half 0's bytes 8 l (chunk l / 2), half 1's 256 + 8 l (chunk 16 + l / 2)
-        sub = arith.muli(arith.andi(lane, _i32(1)), _i32(8))
-        half = arith.shrui(lane, _i32(1))
-        raw0 = arith.addi(_row_base(dst32, 0, warp, half), sub)
-        raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(half, _i32(16))), sub)
-        g0 = arith.shrui(lane, _i32(2))
-        s0_off, s1_off = arith.addi(sc_row, g0), arith.addi(sc_row, arith.addi(g0, _i32(8)))
-        nwords = 2
+    # lane l's raw bytes: dims 8 l .. 8 l + 7 of each half are 8 l * bits / 8 bytes in, `nbytes` = 4 (nvfp4) or 8
+    # (mxfp8) of them, so `lanes` = 16 / nbytes lanes share a 16-byte chunk: half 0's chunk l / lanes, half 1's
+    # 32 / lanes further; their scales: tile (8 l) / tile_dims of half 0, 256 / tile_dims further for half 1
+    nwords = 1 if nv else 2
+    shift = 2 if nv else 1  # log2(lanes)
+    tile_shift = 1 if nv else 2  # log2(tile_dims / 8): tiles of 16 / 32 dims
+    sub = arith.muli(arith.andi(lane, _i32((1 << shift) - 1)), _i32(4 * nwords))
+    q = arith.shrui(lane, _i32(shift))
+    raw0 = arith.addi(_row_base(dst32, 0, warp, q), sub)
+    raw1 = arith.addi(_row_base(dst32, 0, warp, arith.addi(q, _i32(32 >> shift))), sub)
+    g0 = arith.shrui(lane, _i32(tile_shift))
+    s0_off, s1_off = arith.addi(sc_row, g0), arith.addi(sc_row, arith.addi(g0, _i32(32 >> tile_shift)))
     out0, out1 = _row_base(dst32, 0, warp, lane), _row_base(dst32, 1, warp, lane)
-    every = _i32(1)
-
-    def conv(word, sc):
-        f = llvm.bitcast(f32, sc)
-        lo = arith.trunci(i16, word)
-        hi = arith.trunci(i16, arith.shrui(word, _i32(16)))
-        return [_e4m3x2_to_bf16x2(lo, f), _e4m3x2_to_bf16x2(hi, f)]
 
     def load(k):
-        """Token k's raw words (half 0's, then half 1's) and scale bytes (i32 x 2), once its group landed."""
-        if k % per == 0:
-            _wait(_GROUPS - 1 - k // per)
-            _warp_sync()  # this warp's tokens of the group (copied by its own lanes) visible
-        words = _lds(nwords, _row_at(raw0, k)) + _lds(nwords, _row_at(raw1, k))
-        return words, [_lds_u8(arith.addi(s0_off, _i32(4 * pitch * k))),
-                       _lds_u8(arith.addi(s1_off, _i32(4 * pitch * k)))]
+        _await_group(k, per)
+        return _token_bytes(k, raw0, raw1, nwords, s0_off, s1_off, pitch)
 
     def convert(words, e):
         if nv:
             return _nvfp4_word(words[0], e[0], f16) + _nvfp4_word(words[1], e[1], f16)
-        if f16:
-            return _e4m3_token_f16(words, e[0], e[1], every)
-        sc0, sc1 = (arith.shli(x, _i32(23)) for x in e)  # 2^(e - 127) as f32 bits (e = 0 -> 0)
-        return conv(words[0], sc0) + conv(words[1], sc0) + conv(words[2], sc1) + conv(words[3], sc1)
+        return _e4m3_lane(words, e, f16, _i32(1))
 
-    nxt = load(0)
-    for k in range(T // 4):
-        cur = nxt
-        if k + 1 < T // 4:
-            nxt = load(k + 1)
-        w = convert(*cur)
-        _warp_sync()  # every lane has read token k's raw bytes before any lane overwrites them
+    def store(k, w):
         _st_v4(_row_at(out0, k), w[:4])
         _st_v4(_row_at(out1, k), w[4:])
+
+    _convert_tokens(load, convert, store)
 
 
 def bf16_to_f16_in_place(nbytes: int):
