@@ -144,10 +144,12 @@ def test_supports_combination_reasons(spec, kw, word):
     (dict(platform="cuda", compute_capability="9.0", block_size=61), "CUDA_SPARSE_DSV41"),
     (dict(platform="cuda", compute_capability="9.0", kv_cache_dtype="bf16"), "CUDA_SPARSE_DSV41"),
     (dict(platform="cuda", compute_capability="9.0", block_size=61, impls=("pallas", "xla")), "PALLAS_SPARSE_DSV41"),
-    # V4.1's records: our CUDA kernels (FlashMLA reads them on SM100 only)
+    # V4.1's records: our CUDA kernels (FlashMLA reads them on SM100 only), then Pallas
     (dict(platform="cuda", compute_capability="9.0", kv_cache_dtype="mxfp8_ds_mla"), "CUDA_SPARSE_DSV41"),
     (dict(platform="cuda", compute_capability="9.0", kv_cache_dtype="mxfp8_ds_mla", impls=("pallas", "xla")),
-     "XLA_SPARSE_DSV41"),
+     "PALLAS_SPARSE_DSV41"),
+    (dict(platform="cuda", compute_capability="9.0", kv_cache_dtype="nvfp4_ds_mla", impls=("pallas", "xla")),
+     "PALLAS_SPARSE_DSV41"),
     (dict(platform="cuda", compute_capability="9.0", mega=True), "CUDA_SPARSE_DSV41"),  # our SM90 mega decode
     (dict(platform="cuda", compute_capability="9.0", mega=True, impls=("pallas", "xla")), "XLA_SPARSE_DSV41"),
     (dict(platform="cuda", compute_capability="8.0"), "XLA_SPARSE_DSV41"),

@@ -94,15 +94,23 @@ def test_explain_on_a_gpu_accepts_the_kernels_in_order(gpu):
 
 
 def test_explain_on_a_gpu_lists_the_registry_and_the_kernels_reasons(gpu):
-    # an mxfp8_ds_mla main cache next to an fp8_ds_mla extra cache: no kernel reads both
+    # an mxfp8_ds_mla main cache next to an fp8_ds_mla extra cache: the cuda kernels read one family per call,
+    # the pallas kernels any mix
     choice = _decode(make_decode_case(1, h_q=2, topk=64, fmt="mxfp8_ds_mla", block_size=64,
                                       extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla")))
+    assert choice.impl == "pallas"
+    cuda, pallas, _ = choice.candidates
+    # the kernel's own `supports` answer where the registry accepts (CUDA_SPARSE_DSV41 lists both formats)
+    assert not cuda.accepted and pallas.accepted
+    assert "not both in one call (kv_format 'mxfp8_ds_mla', extra_kv_format 'fp8_ds_mla')" in cuda.reason
+    # select_backend's rejection of each backend where the registry does not serve the call
+    mega = make_mega_case(1, h_q=2, topk=64, fmt="fp8_ds_mla")
+    gpu(cuda="cuda_ffi: not built (test)")
+    choice = d.explain_impl(d.sparse_mla_mega_decode, *mega.args(), **mega.kwargs())
     assert choice.impl == "xla"
     cuda, pallas, _ = choice.candidates
-    # the kernel's own `supports` answer where the registry accepts (CUDA_SPARSE_DSV41 lists both formats), and
-    # select_backend's rejection of each backend with the kernel's answer where it does not
-    assert "not both in one call (kv_format 'mxfp8_ds_mla', extra_kv_format 'fp8_ds_mla')" in cuda.reason
-    assert "PALLAS_SPARSE_DSV41: kv_cache_dtype" in pallas.reason and "the pallas kernels read" in pallas.reason
+    assert "CUDA_SPARSE_DSV41: cuda_ffi: not built (test)" in cuda.reason
+    assert "PALLAS_SPARSE_DSV41: does not serve the mega interface" in pallas.reason
 
 
 def test_explain_on_a_gpu_takes_the_v41_records_to_cuda(gpu):
@@ -203,16 +211,17 @@ def test_explain_argument_errors():
 def test_a_simulated_gpu_fallback_warns_once_per_reason(gpu, caplog):
     gpu(cuda="cuda_ffi: not built (test)", pallas=None)
     caplog.set_level(logging.WARNING, logger="dsv41_jax")
-    case = make_decode_case(3, h_q=2, topk=64, fmt="mxfp8_ds_mla")
-    out, _ = d.sparse_mla_decode(*case.args(), **case.kwargs())
-    ref, _ = d.sparse_mla_decode(*case.args(), **case.kwargs(), impl="xla")
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    mega = make_mega_case(3, h_q=2, topk=64, fmt="mxfp8_ds_mla")  # no pallas mega kernel
+    out = d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs())
+    ref = d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs(), impl="xla")
+    for x, y in zip(out, ref):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     (rec,) = _records(caplog)
     msg = rec.getMessage()
-    assert "sparse_mla_decode(impl='auto') runs the xla reference on cuda" in msg
-    assert "cuda declined: FLASHMLA_SPARSE_DSV41: kv_cache_dtype 'mxfp8_ds_mla'" in msg
-    assert "pallas declined" in msg and "the pallas kernels read" in msg and "explain_impl" in msg
-    d.sparse_mla_decode(*case.args(), **case.kwargs())  # the same reasons: no second warning
+    assert "sparse_mla_mega_decode(impl='auto') runs the xla reference on cuda" in msg
+    assert "cuda declined: FLASHMLA_SPARSE_DSV41: does not serve the mega interface" in msg
+    assert "pallas declined: PALLAS_SPARSE_DSV41: does not serve the mega interface" in msg and "explain_impl" in msg
+    d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs())  # the same reasons: no second warning
     assert len(_records(caplog)) == 1
     # another cause warns again: an fp8 cache when neither kernel is available
     gpu(cuda="cuda_ffi: not built (test)", pallas="pallas: broken (test)")

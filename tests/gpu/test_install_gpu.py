@@ -29,7 +29,7 @@ if jax.default_backend() != "gpu":
 
 import dsv41_jax as d  # noqa: E402
 from dsv41_jax.sparse_mla import api  # noqa: E402
-from tests.attention_cases import make_decode_case  # noqa: E402
+from tests.attention_cases import make_decode_case, make_mega_case  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,14 +76,17 @@ def test_explain_on_the_gpu_accepts_cuda_and_explains_a_fallback(caplog):
     choice = d.explain_impl(d.sparse_mla_decode, *case.args(), **case.kwargs())
     assert choice.device.platform == "cuda" and choice.device.compute_capability[0] in (9, 10)
     assert choice.impl == "cuda", str(choice)
-    # a cache format no kernel reads: the reference runs, with a warning naming why each kernel declined
-    other = make_decode_case(7, h_q=16, topk=128, fmt="mxfp8_ds_mla", block_size=64)
-    fallback = d.explain_impl(d.sparse_mla_decode, *other.args(), **other.kwargs())
+    # a call no kernel runs (a mega decode over an mxfp8_ds_mla cache next to an fp8_ds_mla one: the cuda kernels
+    # read one format family per call, pallas has no mega kernel): the reference runs, with a warning naming why
+    # each kernel declined
+    other = make_mega_case(7, h_q=16, topk=128, fmt="mxfp8_ds_mla", block_size=64,
+                           extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla"))
+    fallback = d.explain_impl(d.sparse_mla_mega_decode, *other.args(), **other.kwargs())
     assert fallback.impl == "xla" and {c.impl for c in fallback.declined()} == {"cuda", "pallas"}, str(fallback)
     api._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="dsv41_jax"):
-        d.sparse_mla_decode(*other.args(), **other.kwargs(), impl="auto")
-        d.sparse_mla_decode(*other.args(), **other.kwargs(), impl="auto")
+        d.sparse_mla_mega_decode(*other.args(), **other.kwargs(), impl="auto")
+        d.sparse_mla_mega_decode(*other.args(), **other.kwargs(), impl="auto")
     warned = [r for r in caplog.records if r.name.startswith("dsv41_jax") and "runs the xla reference" in r.message]
     assert len(warned) == 1 and "cuda declined" in warned[0].message, [r.message for r in caplog.records]
 
