@@ -7,8 +7,8 @@ Importing this package touches no GPU. It is the "pallas" row of the core's impl
 compute capability 9.x (Hopper) or 10.x (Blackwell, which runs the same SM90-style wgmma kernel).
 
 Formats read: "bf16", "fp8_ds_mla" and V4.1's "mxfp8_ds_mla" / "nvfp4_ds_mla" (main and extra cache,
-any page size, any mix; the quantized records are dequantized inside the kernel). Any head count: heads are padded to a multiple of 64 internally (one program per 64
-heads) and the padding is sliced off. On a machine without a GPU the kernels run in Mosaic GPU
+any page size, any mix; the quantized records are dequantized inside the kernel). Any head count: heads
+are padded to a multiple of 64 internally (one program per 64 heads) and the padding is sliced off. On a machine without a GPU the kernels run in Mosaic GPU
 interpret mode (slow; see `pallas_kernels._interpret`).
 
 Design, numbers and limits: `pallas_kernels._kernel` and docs/pallas_kernels.md.

@@ -45,8 +45,8 @@ def rope_combiner():
 def dequant_fp8(w, stage_u8, scale_smem, combiner, k_smem, vrow, u_smem):
     """Interpreter: K half w <- the staged fp8_ds_mla records, dequantized; masked rows 0.
 
-    scale_smem: f32 [SCALE_GROUPS, 64], group g's 2^(e - 127) per token (0 when masked; rows 0..6 used); `vrow` bool [64, 64],
-    the valid tokens (the interpreter's gather leaves masked rows stale); `combiner` the
+    scale_smem: f32 [SCALE_GROUPS, 64], group g's 2^(e - 127) per token (0 when masked; rows 0..6
+    used); `vrow` bool [64, 64], the valid tokens (the interpreter's gather leaves masked rows stale); `combiner` the
     `rope_combiner` matrix, which turns the RoPE bytes (staged in `u_smem`, wgmma A operands come
     from SMEM in the interpreter) into their bf16 values."""
     groups = range(0, 4) if w == 0 else range(4, 7)

@@ -192,8 +192,8 @@ def build_kernel(spec: KernelSpec):
     its data bytes / row number, -1 = masked), and for quantized pools the scales: with
     `spec.scale_offsets` the bytes from each record to its scale bytes, int32 [R, kpad], else f32
     [R, kpad / 64, SCALE_GROUPS, 64] (per block, scale group and token: the factor of the entry's scale
-    byte, 0 when masked; `ops.pool_operands`). Final mode returns out bf16 [R, Hp, 512], lse f32 [R, Hp], max_logits f32 [R, Hp];
-    split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
+    byte, 0 when masked; `ops.pool_operands`). Final mode returns out bf16 [R, Hp, 512], lse f32
+    [R, Hp], max_logits f32 [R, Hp]; split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
     """
     if smem_bytes(spec) > SMEM_LIMIT:
         raise ValueError(f"kernel needs {smem_bytes(spec)} B of SMEM (> {SMEM_LIMIT})")

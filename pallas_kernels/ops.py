@@ -40,7 +40,8 @@ __all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_ope
            "to_f16", "prefill_rows_f16", "decode_operands_f16", "num_splits_override", "kernel_options",
            "KV_FORMATS", "V41_FORMATS"]
 
-KV_FORMATS = ("bf16",) + QUANTIZED_FORMATS  # the cache formats the kernels read
+KV_FORMATS = ("bf16",) + QUANTIZED_FORMATS  # the cache formats the kernels read: every one
+assert set(KV_FORMATS) == set(kvc.KV_FORMATS)
 V41_FORMATS = kvc.V41_FORMATS  # V4.1's records: decodes of these alone run on f16 operands
 
 

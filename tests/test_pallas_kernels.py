@@ -293,7 +293,8 @@ def test_kernel_spec_checks_and_smem():
         build_kernel(spec)
     # V4.1 pools: the scale buffer's rows hold the largest scale record of the call's pools
     mx, nv = PoolSpec("mxfp8_ds_mla", 128), PoolSpec("nvfp4_ds_mla", 128)
-    assert KernelSpec(pools=(mx, nv), **base).scale_pitch == 32 and KernelSpec(pools=(fp8, mx), **base).scale_pitch == 16
+    assert KernelSpec(pools=(mx, nv), **base).scale_pitch == 32
+    assert KernelSpec(pools=(fp8, mx), **base).scale_pitch == 16
     assert KernelSpec(pools=(fp8,), **base).scale_pitch == 8 and rows.scale_pitch == 0
     for pools in ((mx, nv), (nv,), (mx, fp8), (bf16, nv)):
         for f16 in (False, True):
