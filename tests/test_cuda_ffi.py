@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import cuda_ffi
+from dsv41_jax import kv_cache
 from cuda_ffi import build as cbuild
 from tests.cuda_emulator import build as ebuild
 from dsv41_jax import make_decode_plan, plan_decode_splits, plan_is_stale, sparse_mla_decode, sparse_mla_prefill
