@@ -81,6 +81,7 @@ __all__ = [
     "KV_CACHE_FORMATS",
     "canonical_kv_cache_dtype",
     "LATENT_DIM",
+    "ue8m0_exponent",
     "NOPE_DIM",
     "ROPE_DIM",
     "RecordLayout",
@@ -294,15 +295,19 @@ def _ue8m0_value(byte: jax.Array) -> jax.Array:
     return jnp.where(b == 0, np.float32(2.0**-127), jnp.where(b == 255, np.float32(np.inf), normal))
 
 
+def ue8m0_exponent(amax: jax.Array) -> jax.Array:
+    """int32 e = ceil(log2(max(amax, 1e-4) / 448)) of finite amax >= 0, from its bits, without dividing (see the
+    module notes): with m = max(amax, 1e-4) = 1.f * 2^E (normal) and 448 = 1.75 * 2^8, e = E - 8 + (1.f > 1.75).
+    The caches' and the mega output's scale rule (the pallas kernel evaluates it in its epilogue)."""
+    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, _AMAX_FLOOR), jnp.int32)
+    return ((bits >> 23) & 0xFF) - 127 - 8 + jnp.where((bits & 0x7FFFFF) > 0x600000, 1, 0)
+
+
 def _fp8_quantize_tiles(x: jax.Array, tile: int) -> tuple[jax.Array, jax.Array]:
     """fp32 [..., n] -> (e4m3 bytes uint8 [..., n], UE8M0 bytes uint8 [..., n // tile])."""
     t = x.reshape(*x.shape[:-1], x.shape[-1] // tile, tile)
     amax = jnp.max(jnp.abs(t), axis=-1)
-    # e = ceil(log2(m / 448)) from m's bits, without dividing (see the module notes): with
-    # m = 1.f * 2^E (normal, m >= 1e-4) and 448 = 1.75 * 2^8, e = E - 8 + (1.f > 1.75).
-    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, _AMAX_FLOOR), jnp.int32)
-    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000)
-    byte = jnp.clip(e + 127, 0, 255)
+    byte = jnp.clip(ue8m0_exponent(amax) + 127, 0, 255)
     inv_scale = _ue8m0_value(254 - byte)  # 2^-e, exact for the bytes 105..247 reachable here
     y = jnp.clip(t * inv_scale[..., None], -_E4M3_MAX, _E4M3_MAX)
     q = jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)

@@ -1,7 +1,8 @@
 """`impl="pallas"`: sparse MLA decode and prefill as Pallas Mosaic GPU kernels (`plgpu.kernel`).
 
 Importing this package touches no GPU. It is the "pallas" row of the core's implementation table
-(`dsv41_jax.sparse_mla.implementations`, which imports it on first use): `decode`, `prefill`, their
+(`dsv41_jax.sparse_mla.implementations`, which imports it on first use): `decode`, `prefill`, the fused
+mega ops `mega_decode` / `mega_prefill` (q RoPE, attention, inverse RoPE and e4m3 output in the kernel), their
 `*_supports` predicates (always installed, so CPU tests can trace and interpret them) and
 `unavailable_reason`, which reports the kernels runnable only when the default JAX backend is a GPU of
 compute capability 9.x (Hopper) or 10.x (Blackwell, which runs the same SM90-style wgmma kernel).
@@ -16,15 +17,18 @@ Design, numbers and limits: `pallas_kernels._kernel` and docs/pallas_kernels.md.
 
 from __future__ import annotations
 
-from dsv41_jax.sparse_mla.base import DecodeCall, PrefillCall
+from dsv41_jax.sparse_mla.base import DecodeCall, MegaDecodeCall, PrefillCall
 
 from pallas_kernels import ops as _ops
 
-__all__ = ["availability_reason", "decode", "prefill", "supports_decode", "supports_prefill", "num_splits_override",
-           "kernel_options", "decode_supports", "prefill_supports", "unavailable_reason"]
+__all__ = ["availability_reason", "decode", "prefill", "mega_decode", "mega_prefill", "supports_decode",
+           "supports_prefill", "num_splits_override", "kernel_options", "decode_supports", "prefill_supports",
+           "mega_decode_supports", "mega_prefill_supports", "unavailable_reason"]
 
 decode = _ops.decode
 prefill = _ops.prefill
+mega_decode = _ops.mega_decode
+mega_prefill = _ops.mega_prefill
 num_splits_override = _ops.num_splits_override
 kernel_options = _ops.kernel_options
 
@@ -49,7 +53,13 @@ def supports_prefill(call: PrefillCall) -> str | None:
     return None
 
 
+def supports_mega_decode(call: MegaDecodeCall) -> str | None:
+    return supports_decode(call.decode)
+
+
 # The names the core's implementation table reads (dsv41_jax.sparse_mla.implementations).
 decode_supports = supports_decode
 prefill_supports = supports_prefill
+mega_decode_supports = supports_mega_decode
+mega_prefill_supports = supports_prefill
 unavailable_reason = availability_reason

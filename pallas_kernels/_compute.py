@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._conversions import q_to_f16
+from pallas_kernels._mega import rope_q, store_mega_out
 from pallas_kernels._spec import COL, HALF, HB, LN2, LOG2E, NBUF, ROW, T
 
 if TYPE_CHECKING:
@@ -134,7 +135,8 @@ def _block(prog: Program, w: int, carry):
 
 
 def epilogue(prog: Program, w: int, o, m, l, sink):
-    """O / l (with the sink in the denominator when final), lse and max_logits, stored from registers."""
+    """O / l (with the sink in the denominator when final), lse and max_logits, stored from registers (the mega
+    output: O as e4m3 with its exponents, and lse)."""
     spec, row, split, h0 = prog.spec, prog.row, prog.split, prog.h0
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
@@ -146,7 +148,11 @@ def epilogue(prog: Program, w: int, o, m, l, sink):
         inv = inv / (1.0 + jnp.exp(sink - jnp.where(empty, 0.0, lse)))
     inv = jnp.where(empty, 0.0, inv)
     res = o * lax.broadcast_in_dim(inv, (HB, HALF), [0])
-    if spec.final:
+    if spec.mega_out:
+        store_mega_out(prog, w, res)
+        if w == 0:
+            prog.lse.at[row, pl.ds(h0, HB)][...] = lse
+    elif spec.final:
         prog.out.at[row, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res.astype(jnp.bfloat16)
         if w == 0:
             prog.lse.at[row, pl.ds(h0, HB)][...] = lse
@@ -163,6 +169,9 @@ def compute_warpgroup(prog: Program, w: int):
     spec, s = prog.spec, prog.s
     plgpu.set_max_registers(spec.registers[1], action="increase")
     plgpu.barrier_wait(s.q_bar)
+    if spec.mega and w == 1:  # the RoPE dims are this warpgroup's
+        rope_q(prog)
+        plgpu.commit_smem()
     if spec.f16:  # Q arrived as bf16 bits: rewrite the half this warpgroup contracts
         q_to_f16(s.q, w, spec.interpret)
         plgpu.commit_smem()

@@ -20,6 +20,11 @@ memory warpgroup / released by both compute warpgroups), `x_post` / `x_read` (sc
 `ibar_idx` / `ibar` (interpreter only: the Pallas-level gather's copies). SMEM: Q 64 KiB + K
 2 x 64 KiB + the exchange buffers (`KernelSpec.xbufs`) + indices, scale bytes and sink.
 
+The mega ops (`spec.mega`, `_mega.py`): Q arrives unroped with the row's cos / sin; warpgroup 1 ropes
+Q's last 64 dims in SMEM before its first wgmma and, with one split, the epilogue inverse-ropes O and writes
+it as e4m3 values with UE8M0 exponents per 32 dims (with several splits the partials stay f32 and the
+XLA combine finishes them).
+
 Outputs: with one split, the final bf16 O (normalized, sink in the denominator), the natural-log
 lse (+inf for an empty row, sink excluded) and max_logits (-inf when empty); with several
 splits, f32 partials (O / l, and lse / max with -inf when empty) for `ops.combine_splits`.
@@ -45,8 +50,8 @@ from jax import lax
 
 from pallas_kernels._compute import compute_warpgroup
 from pallas_kernels._memory import memory_warpgroup
-from pallas_kernels._spec import (D, HALF, HB, NBUF, SCALE_GROUPS, SMEM_LIMIT, STAGE_PITCH, SWIZZLE, TILE,
-                                  KernelSpec, T, smem_bytes)
+from pallas_kernels._spec import (D, HALF, HB, NBUF, OUT_GROUP, ROPE_DIM, SCALE_GROUPS, SMEM_LIMIT, STAGE_PITCH,
+                                  SWIZZLE, TILE, KernelSpec, T, smem_bytes)
 
 __all__ = ["build_kernel", "Program", "Scratch"]
 
@@ -63,6 +68,7 @@ class Scratch:
     idx: Any  # the block's sources [NBUF, 64]
     combiner: Any  # interpreter, fp8_ds_mla pools: `rope_combiner`
     sink: Any  # [64] f32
+    cs: Any  # mega: the row's per-dim cos and signed sin [2, 64] f32 (`_mega.rope_rows`)
     q_bar: Any
     full: Any
     free: Any
@@ -82,10 +88,12 @@ class Program:
     spec: KernelSpec
     q: Any  # bf16 [R, Hp, 512]
     sink: Any  # f32 [Hp] or None
+    cs: Any  # mega: f32 [R, 2, 64] or None
     pools: tuple  # per pool (cache, src, scales or None)
     out: Any
     lse: Any
-    mx: Any
+    mx: Any  # max_logits (None for the mega output)
+    scale: Any  # the mega output's exponents uint8 [R, Hp, 16] (else None)
     s: Scratch
     row: Any
     split: Any
@@ -117,13 +125,15 @@ def _program(spec: KernelSpec, refs) -> Program:
     q_ref = next(it)
     counts_ref = next(it)
     sink_ref = next(it) if spec.has_sink else None
+    cs_ref = next(it) if spec.mega else None
     pools = []
     for p in spec.pools:
         cache = next(it)
         src = next(it)
         scales = next(it) if p.quantized else None
         pools.append((cache, src, scales))
-    out_ref, lse_ref, mx_ref = next(it), next(it), next(it)
+    out_ref, lse_ref, third = next(it), next(it), next(it)
+    mx_ref, scale_ref = (None, third) if spec.mega_out else (third, None)
     scratch = Scratch(*next(it))
     rest = list(it)
     assert not rest, rest
@@ -136,7 +146,8 @@ def _program(spec: KernelSpec, refs) -> Program:
     row = rest_i // NS
     h0 = hgi * HB
     ranges = _split_ranges(counts_ref, row, split, spec)
-    return Program(spec, q_ref, sink_ref, tuple(pools), out_ref, lse_ref, mx_ref, scratch, row, split, h0, ranges)
+    return Program(spec, q_ref, sink_ref, cs_ref, tuple(pools), out_ref, lse_ref, mx_ref, scale_ref, scratch, row,
+                   split, h0, ranges)
 
 
 def _scratch_types(spec: KernelSpec) -> tuple:
@@ -157,7 +168,8 @@ def _scratch_types(spec: KernelSpec) -> tuple:
         plgpu.SMEM((NBUF, T), jnp.int32),
         plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if rope_bf16 else None,
         plgpu.SMEM((HB,), jnp.float32) if spec.has_sink else None,
-        plgpu.Barrier(num_arrivals=3 if spec.has_sink else 2),  # q_bar
+        plgpu.SMEM((2, ROPE_DIM), jnp.float32) if spec.mega else None,
+        plgpu.Barrier(num_arrivals=2 + spec.has_sink + spec.mega),  # q_bar: Q's halves, sink, cos / sin
         plgpu.Barrier(num_arrivals=1, num_barriers=NBUF),  # full: the memory warpgroup published a block
         plgpu.Barrier(num_arrivals=2, num_barriers=NBUF),  # free: both compute warpgroups released a buffer
         plgpu.SMEM((xbufs, HB, T), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), SWIZZLE)),
@@ -174,6 +186,10 @@ def _scratch_types(spec: KernelSpec) -> tuple:
 
 def _out_types(spec: KernelSpec) -> tuple:
     R, Hp, NS = spec.rows, spec.heads, spec.num_splits
+    if spec.mega_out:
+        return (jax.ShapeDtypeStruct((R, Hp, D), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((R, Hp), jnp.float32),
+                jax.ShapeDtypeStruct((R, Hp, D // OUT_GROUP), jnp.uint8))
     if spec.final:
         return (jax.ShapeDtypeStruct((R, Hp, D), jnp.bfloat16),
                 jax.ShapeDtypeStruct((R, Hp), jnp.float32),
@@ -184,16 +200,19 @@ def _out_types(spec: KernelSpec) -> tuple:
 
 
 def build_kernel(spec: KernelSpec):
-    """Returns `f(q, counts, [sink], *pool_operands) -> (out, lse, max_logits)`.
+    """Returns `f(q, counts, [sink], [cos_sin], *pool_operands) -> (out, lse, max_logits)`.
 
-    q: `spec.dtype` bits [R, Hp, 512] (bf16 values); counts: int32 [R, n_pools] (64-token blocks
-    per row and pool); sink: f32 [Hp] (if `has_sink`); per pool: the cache operand (quantized formats:
+    q: `spec.dtype` bits [R, Hp, 512] (bf16 values; for `spec.mega` not roped); counts: int32 [R, n_pools]
+    (64-token blocks per row and pool); sink: f32 [Hp] (if `has_sink`); cos_sin: f32 [R, 2, 64] (if
+    `spec.mega`: `_mega.rope_rows`); per pool: the cache operand (quantized formats:
     uint8 [bytes]; bf16: `spec.dtype` [rows, 512]), src int32 [R, kpad] (index of the record in units of
     its data bytes / row number, -1 = masked), and for quantized pools the scales: with
     `spec.scale_offsets` the bytes from each record to its scale bytes, int32 [R, kpad], else f32
     [R, kpad / 64, SCALE_GROUPS, 64] (per block, scale group and token: the factor of the entry's scale
     byte, 0 when masked; `ops.pool_operands`). Final mode returns out bf16 [R, Hp, 512], lse f32
-    [R, Hp], max_logits f32 [R, Hp]; split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp].
+    [R, Hp], max_logits f32 [R, Hp]; split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp]. The mega
+    output (`spec.mega`, one split) is out e4m3 [R, Hp, 512], lse f32 [R, Hp] and the UE8M0 exponents uint8
+    [R, Hp, 16] (inverse-roped O x 2^-e per 32 dims).
     """
     if smem_bytes(spec) > SMEM_LIMIT:
         raise ValueError(f"kernel needs {smem_bytes(spec)} B of SMEM (> {SMEM_LIMIT})")

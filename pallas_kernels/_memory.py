@@ -34,12 +34,14 @@ def _buf(n):
 
 
 def load_q(prog: Program):
-    """Q's two halves (and the sink) into SMEM, arriving on `q_bar`."""
+    """Q's two halves (and the sink, the mega ops' cos / sin) into SMEM, arriving on `q_bar`."""
     s, row, h0 = prog.s, prog.row, prog.h0
     plgpu.copy_gmem_to_smem(prog.q.at[row, pl.ds(h0, HB), pl.ds(0, HALF)], s.q.at[0], s.q_bar)
     plgpu.copy_gmem_to_smem(prog.q.at[row, pl.ds(h0, HB), pl.ds(HALF, HALF)], s.q.at[1], s.q_bar)
     if prog.spec.has_sink:
         plgpu.copy_gmem_to_smem(prog.sink.at[pl.ds(h0, HB)], s.sink, s.q_bar)
+    if prog.spec.mega:
+        plgpu.copy_gmem_to_smem(prog.cs.at[row], s.cs, s.q_bar)
 
 
 def publish(prog: Program, b):

@@ -16,18 +16,20 @@ import jax.numpy as jnp
 from dsv41_jax import kv_cache as kvc
 
 __all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "scale_offsets_mode", "T", "HB", "D", "HALF", "NOPE",
-           "STAGE_PITCH", "SCALE_GROUPS", "LOG2E", "LN2", "REG_BUDGET", "SMEM_LIMIT", "NBUF", "TILE", "SWIZZLE",
-           "ROW", "COL", "QUANTIZED_FORMATS"]
+           "ROPE_DIM", "STAGE_PITCH", "SCALE_GROUPS", "OUT_GROUP", "LOG2E", "LN2", "REG_BUDGET", "SMEM_LIMIT", "NBUF",
+           "TILE", "SWIZZLE", "ROW", "COL", "QUANTIZED_FORMATS"]
 
 T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
 HB = 64  # heads per program (the wgmma M)
 D = kvc.LATENT_DIM
 HALF = D // 2  # latent dims per compute warpgroup
 NOPE = kvc.NOPE_DIM
+ROPE_DIM = kvc.ROPE_DIM  # the roped dims, the last of the latent (warpgroup 1's)
 # the records the memory warpgroup dequantizes: every format with scale bytes
 QUANTIZED_FORMATS = tuple(f for f in kvc.KV_FORMATS if kvc.layout(f).scale_bytes)
 STAGE_PITCH = 656  # interpreter staging row pitch (>= every record's data bytes): 164 words, rows 4 banks apart
 SCALE_GROUPS = 32  # interpreter scale factor rows per token: the most scales a record has (nvfp4_ds_mla)
+OUT_GROUP = 32  # mega output dims per UE8M0 exponent (the reference's `quantize_output_fp8` group)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 REG_BUDGET = 504  # registers per (memory, compute, compute) thread triple: 65536 // 384 rounded to 8, x 3
@@ -73,6 +75,9 @@ class KernelSpec:
     # two wgmmas, to meet the output tolerance); values beyond +-65504 saturate. `ops` asks for it in
     # large prefills.
     f16: bool = False
+    # The mega ops (`_mega.py`): the row's cos / sin in SMEM, Q's RoPE in the kernel, and with one split
+    # the inverse RoPE and the e4m3 output with UE8M0 exponents per 32 dims (split partials stay f32).
+    mega: bool = False
 
     @property
     def head_groups(self) -> int:
@@ -82,6 +87,11 @@ class KernelSpec:
     def final(self) -> bool:
         """One split: the kernel writes the final output, not f32 partials."""
         return self.num_splits == 1
+
+    @property
+    def mega_out(self) -> bool:
+        """The kernel writes the mega output (e4m3 values, exponents, lse), not bf16 O or partials."""
+        return self.mega and self.final
 
     @property
     def has_quantized(self) -> bool:
@@ -150,5 +160,7 @@ def smem_bytes(spec: KernelSpec, xbufs: int | None = None) -> int:
         total += al(T * 32)
     if spec.has_sink:
         total += al(HB * 4)
+    if spec.mega:  # the row's cos / sin
+        total += al(2 * 64 * 4)
     total += (xbufs or spec.xbufs) * al(HB * T * 4)
     return total

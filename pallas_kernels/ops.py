@@ -1,4 +1,4 @@
-"""`impl="pallas"` sparse MLA decode and prefill: operand preparation, kernel call, split combine.
+"""`impl="pallas"` sparse MLA decode and prefill and the mega ops: operand preparation, kernel call, split combine.
 
 The XLA side only touches indices and per-entry metadata, never the KV data:
 - per pool and selected entry, the source of the token in the cache -- the index of its
@@ -18,6 +18,11 @@ Splits: a fixed split of each row's valid blocks into `num_splits` equal parts (
 data-dependent output routing). `num_splits` is chosen statically so that rows x head-groups x
 splits fills about two waves of the GPU (`choose_num_splits`); with one split the kernel writes
 the final output, otherwise f32 partials merged by `combine_splits` (jnp).
+
+The mega ops run the same kernels with `KernelSpec.mega`: q goes in unroped with each row's cos / sin
+(`_mega.rope_rows`, one small gather), and with one split the kernel writes the e4m3 output and its
+exponents; split partials are merged by `combine_splits` and finished by the reference's `mega_finish`
+(inverse RoPE and quantisation, fused by XLA into the combine's pass).
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
 from dsv41_jax.device import default_num_sms
+from dsv41_jax.sparse_mla.reference import mega_finish
 from pallas_kernels import _interpret
 from pallas_kernels._conversions import to_tile
 from pallas_kernels._kernel import build_kernel
-from pallas_kernels._spec import HB, QUANTIZED_FORMATS, SCALE_GROUPS, KernelSpec, PoolSpec, T, scale_offsets_mode
+from pallas_kernels._mega import rope_rows
+from pallas_kernels._spec import (HB, OUT_GROUP, QUANTIZED_FORMATS, SCALE_GROUPS, KernelSpec, PoolSpec, T,
+                                  scale_offsets_mode)
 
-__all__ = ["decode", "prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
+__all__ = ["decode", "prefill", "mega_decode", "mega_prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
            "to_f16", "prefill_rows_f16", "decode_operands_f16", "num_splits_override", "kernel_options",
            "KV_FORMATS", "V41_FORMATS"]
 
@@ -210,13 +218,19 @@ def _exported_kernel(spec: KernelSpec, avals: tuple):
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*avals)
 
 
-def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
+def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False, rope=None):
     """q_rows bf16 [R, h, 512]; pools: list of (operands, PoolSpec, nblk). Returns out, mx, lse.
 
     `f16` (unless `kernel_options` says otherwise): run the kernel with f16 operands
-    (`KernelSpec.f16`), bf16 row pools converted to f16 here (their whole operand)."""
+    (`KernelSpec.f16`), bf16 row pools converted to f16 here (their whole operand). `rope`: the mega ops'
+    (positions int32 [R], cos_sin_cache f32 [max_pos, 64]), q_rows not roped; returns (out e4m3 [R, h, 512],
+    out_scale uint8 [R, h, 16], lse) instead, finished in the kernel with one split, else after the combine
+    (`reference.mega_finish`)."""
     R, h, _ = q_rows.shape
     if R == 0:
+        if rope is not None:
+            return (jnp.zeros((0, h, q_rows.shape[2]), jnp.float8_e4m3fn),
+                    jnp.zeros((0, h, q_rows.shape[2] // OUT_GROUP), jnp.uint8), jnp.zeros((0, h), jnp.float32))
         return (jnp.zeros((0, h, q_rows.shape[2]), jnp.bfloat16), jnp.zeros((0, h), jnp.float32),
                 jnp.zeros((0, h), jnp.float32))
     Hp = _cdiv(h, HB) * HB
@@ -232,7 +246,7 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
     f16 = getattr(_override, "options", {}).get("f16", f16)
     spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
                       softmax_scale=float(softmax_scale), has_sink=sink is not None,
-                      interpret=_interpret.active(), f16=f16)
+                      interpret=_interpret.active(), f16=f16, mega=rope is not None)
     if spec.f16:  # the kernel converts Q's values in SMEM (an XLA pass would cost a q round trip)
         q_rows = jax.lax.bitcast_convert_type(q_rows, jnp.float16)
     args = [q_rows, counts]
@@ -240,6 +254,8 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
     if sink is not None:
         sink_p = jnp.pad(sink.astype(jnp.float32), (0, Hp - h), constant_values=-jnp.inf) if Hp != h else sink
         args.append(sink_p.astype(jnp.float32))
+    if rope is not None:
+        args.append(rope_rows(*rope))
     for ops, ps, _ in pools:
         if ps.quantized and (ops[2].ndim == 2) != spec.scale_offsets:  # operands built for another kernel
             raise RuntimeError(f"scale operand of shape {ops[2].shape} does not match the kernel "
@@ -249,19 +265,19 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False):
         args.extend(ops)
     with _interpret.kernel_context():
         out, lse, mx = _kernel_fn(spec)(*args)
+    if spec.mega_out:  # mx holds the exponents
+        return out[:, :h], mx[:, :h], lse[:, :h]
+    if rope is not None:
+        out, lse, _ = combine_splits(out, lse, mx, sink_p)
+        return mega_finish(out[:, :h], rope[0], rope[1], lse[:, :h])
     if num_splits > 1:
         out, lse, mx = combine_splits(out, lse, mx, sink_p)
     out = out.astype(jnp.bfloat16)
     return out[:, :h], mx[:, :h], lse[:, :h]
 
 
-def decode(call, *, num_splits: int | None = None):
-    """`impl="pallas"` decode of a checked `DecodeCall`: (out bf16 [b, s_q, h, 512], lse f32 [b, s_q, h]).
-
-    The kernel splits each row into `num_splits` equal parts (`choose_num_splits`); a plan's
-    FlashMLA part ranges are not used (its shapes were checked by the op), batch_invariant gives one
-    split."""
-    b, s_q, h, d = call.q.shape
+def _decode_pools(call, b: int, s_q: int):
+    """The pool operands of a `DecodeCall`'s main and extra cache, one row per (request, query token)."""
     R = b * s_q
 
     def rows(idx, lens):
@@ -273,11 +289,50 @@ def decode(call, *, num_splits: int | None = None):
     if call.has_extra:
         pools.append(pool_operands(call.extra_kv_cache, call.extra_kv_format, call.extra_block_size,
                                    *rows(call.extra_indices, etl), scale_offsets=so))
+    return pools
+
+
+def decode(call, *, num_splits: int | None = None):
+    """`impl="pallas"` decode of a checked `DecodeCall`: (out bf16 [b, s_q, h, 512], lse f32 [b, s_q, h]).
+
+    The kernel splits each row into `num_splits` equal parts (`choose_num_splits`); a plan's
+    FlashMLA part ranges are not used (its shapes were checked by the op), batch_invariant gives one
+    split."""
+    b, s_q, h, d = call.q.shape
+    R = b * s_q
+    pools = _decode_pools(call, b, s_q)
     if call.batch_invariant:  # one program per row and head group over the whole row: no split-KV
         num_splits = 1
     out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits,
                        f16=decode_operands_f16([ps.kv_format for _, ps, _ in pools]))
     return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
+
+
+def mega_decode(call, *, num_splits: int | None = None):
+    """`impl="pallas"` mega decode of a checked `MegaDecodeCall`: (out e4m3 [T, h, 512], out_scale uint8
+    [T, h, 16], lse f32 [T, h]). The decode's kernel with Q roped in it and, with one split, the output stage in
+    its epilogue (`KernelSpec.mega`)."""
+    dc = call.decode
+    q = dc.q[:, 0]
+    pools = _decode_pools(dc, q.shape[0], 1)
+    if dc.batch_invariant:
+        num_splits = 1
+    return _run(q, pools, dc.attn_sink, dc.softmax_scale, num_splits,
+                f16=decode_operands_f16([ps.kv_format for _, ps, _ in pools]),
+                rope=(call.positions, call.cos_sin_cache))
+
+
+def mega_prefill(call, *, num_splits: int | None = None):
+    """`impl="pallas"` mega prefill of a checked `MegaPrefillCall`: (out e4m3 [s_q, h, 512], out_scale uint8
+    [s_q, h, 16], lse f32 [s_q, h]), as `mega_decode` over the prefill's kernel."""
+    pc = call.prefill
+    kv = pc.kv
+    pool = pool_operands(kv.reshape(1, kv.shape[0], kv.shape[1]), "bf16", kv.shape[0], pc.indices,
+                         pc.lengths().astype(jnp.int32))
+    s_q, h, _ = pc.q.shape
+    return _run(pc.q, [pool], pc.attn_sink, pc.softmax_scale, num_splits,
+                f16=prefill_rows_f16(kv.shape[0], s_q, pc.indices.shape[1], h),
+                rope=(call.positions, call.cos_sin_cache))
 
 
 def prefill(call, *, num_splits: int | None = None):

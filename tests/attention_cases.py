@@ -637,6 +637,44 @@ def assert_v41_exact(out, want) -> None:
                                       err_msg=f"head {h}")
 
 
+def make_mega_exact_case(h_q: int, seed: int = 421, b: int = 6) -> tuple[MegaCase, tuple[np.ndarray, np.ndarray]]:
+    """(case, (want_values, want_exponents)): a mega decode case whose query token j attends to one mxfp8_ds_mla
+    token with no sink, so its attention output is that token's row exactly (bf16 and f16 hold mxfp8's values), and
+    the output stage has one exact result: the inverse RoPE (a c + b s, b c - a s in float32), the exponent rule
+    and e4m3 round to nearest even give `want_values` (uint8 [b, 512]) and `want_exponents` (uint8 [b, 16]) for
+    every head."""
+    import ml_dtypes
+
+    case = make_mega_case(seed, b=b, h_q=h_q, topk=64, block_size=64, fmt="mxfp8_ds_mla", lengths=np.ones(b, int),
+                          invalid_frac=0.0, sink="none")
+    c = case.base
+    rows = np.asarray(kvc.gather(c.kv_cache, c.indices[:, 0, 0], kv_format=c.kv_format,
+                                 block_size=c.block_size)).astype(np.float32)  # [b, 512]
+    cs = np.asarray(case.cos_sin_cache)
+    pos = np.clip(np.asarray(case.positions), 0, cs.shape[0] - 1)
+    cos, sin = cs[pos, :32], cs[pos, 32:]
+    a, bb = rows[:, 448::2].copy(), rows[:, 449::2].copy()
+    rows[:, 448::2] = a * cos + bb * sin
+    rows[:, 449::2] = bb * cos - a * sin
+    g = rows.reshape(b, 16, 32).astype(np.float64)
+    amax = np.maximum(np.abs(g).max(-1), np.float64(np.float32(1e-4)))
+    e = np.ceil(np.log2(amax / 448.0))  # exact in float64 for these float32 inputs
+    v = np.clip(g * 2.0 ** -e[..., None], -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return case, (v.reshape(b, 512).view(np.uint8), (e + 127).astype(np.uint8))
+
+
+def assert_mega_exact(out, out_scale, want, what: str = "") -> None:
+    """`make_mega_exact_case`'s check: the first and last head's exponents and values equal `want` (values
+    compared as values: a -0 accumulates to +0)."""
+    want_v, want_e = want
+    got_v = np.asarray(out).view(np.uint8)
+    for h in (0, got_v.shape[1] - 1):
+        np.testing.assert_array_equal(np.asarray(out_scale)[:, h], want_e, err_msg=f"{what}: exponents, head {h}")
+        np.testing.assert_array_equal(got_v[:, h].view(jnp.float8_e4m3fn).astype(np.float32),
+                                      want_v.view(jnp.float8_e4m3fn).astype(np.float32),
+                                      err_msg=f"{what}: values, head {h}")
+
+
 def make_growing_scores_prefill_case(seed: int) -> PrefillCase:
     """A prefill case whose scores rise from one 64-token tile to the next by set amounts (natural log:
     tile means 0, +3, +12, +13 plus noise): for kernels that move their softmax base lazily (only when

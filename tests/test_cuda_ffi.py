@@ -36,7 +36,6 @@ import numpy as np
 import pytest
 
 import cuda_ffi
-from dsv41_jax import kv_cache
 from cuda_ffi import build as cbuild
 from tests.cuda_emulator import build as ebuild
 from dsv41_jax import make_decode_plan, plan_decode_splits, plan_is_stale, sparse_mla_decode, sparse_mla_prefill
@@ -52,7 +51,9 @@ from tests.attention_cases import (
     MegaPrefillCase,
     assert_close,
     assert_mega_close,
+    assert_mega_exact,
     make_mega_case,
+    make_mega_exact_case,
     make_mega_prefill_case,
     make_decode_case,
     make_prefill_case,
@@ -944,43 +945,15 @@ def test_emulated_mega_decode_mma_sync_consumers(emu_mma_sync, h_q, num_sms):
     assert_mega_close(out, scale, lse, case.expected(), "emulated mega decode (mma.sync)")
 
 
-def _e4m3_exact(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The output stage's exact result for float32 x [..., 512]: (e4m3 bytes, exponent bytes)."""
-    import ml_dtypes
-
-    g = x.reshape(x.shape[:-1] + (16, 32)).astype(np.float64)
-    a = np.maximum(np.abs(g).max(-1), np.float64(np.float32(1e-4)))
-    e = np.ceil(np.log2(a / 448.0))  # exact in float64 for these float32 inputs
-    v = np.clip(g * 2.0 ** -e[..., None], -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
-    return v.reshape(x.shape).view(np.uint8), (e + 127).astype(np.uint8)
-
-
 @pytest.mark.parametrize("h_q,num_sms", [(64, 3), (64, 132), (128, 3), (8, 3)])
 def test_emulated_mega_output_stage_is_exact(emu, h_q, num_sms):
-    # Each query attends to one token with no sink, so the attention output is that token's f16 row exactly; the
-    # inverse RoPE (a c + b s, b c - a s in float32) and the quantisation (the exact exponent rule, e4m3 round to
-    # nearest even) must then give these bytes exactly, wherever the output stage runs (staged epilogue, combine).
+    # Each query attends to one token with no sink: the inverse RoPE and the quantisation must give the exact
+    # bytes wherever the output stage runs (staged epilogue, combine).
     from tests.cuda_emulator.emulate import mega_decode_emulated
 
-    case = make_mega_case(421, b=6, h_q=h_q, topk=64, block_size=64, fmt="mxfp8_ds_mla", lengths=np.ones(6, int),
-                          invalid_frac=0.0, sink="none")
-    c = case.base
-    rows = np.asarray(kv_cache.gather(c.kv_cache, c.indices[:, 0, 0], kv_format=c.kv_format,
-                                      block_size=c.block_size)).astype(np.float32)  # [T, 512]
-    cs = np.asarray(case.cos_sin_cache)
-    pos = np.clip(np.asarray(case.positions), 0, cs.shape[0] - 1)
-    cos, sin = cs[pos, :32], cs[pos, 32:]
-    a, b = rows[:, 448::2].copy(), rows[:, 449::2].copy()
-    rows[:, 448::2] = a * cos + b * sin
-    rows[:, 449::2] = b * cos - a * sin
-    want_v, want_e = _e4m3_exact(rows)
+    case, want = make_mega_exact_case(h_q)
     out, scale, _ = mega_decode_emulated(_mega_call(case), num_sms=num_sms)
-    got_v = np.asarray(out).view(np.uint8)
-    for h in (0, h_q - 1):
-        np.testing.assert_array_equal(np.asarray(scale)[:, h], want_e)
-        # (as values: a -0 accumulates to +0)
-        np.testing.assert_array_equal(got_v[:, h].view(jnp.float8_e4m3fn).astype(np.float32),
-                                      want_v.view(jnp.float8_e4m3fn).astype(np.float32))
+    assert_mega_exact(out, scale, want, f"emulated mega decode h{h_q}")
 
 
 def test_emulated_mega_decode_many_requests_per_cta(emu):

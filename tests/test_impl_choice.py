@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import dsv41_jax as d
+import pallas_kernels
 from dsv41_jax import kv_cache
 from dsv41_jax.device import DeviceInfo
 from dsv41_jax.sparse_mla import api, base
@@ -103,14 +104,14 @@ def test_explain_on_a_gpu_lists_the_registry_and_the_kernels_reasons(gpu):
     # the kernel's own `supports` answer where the registry accepts (CUDA_SPARSE_DSV41 lists both formats)
     assert not cuda.accepted and pallas.accepted
     assert "not both in one call (kv_format 'mxfp8_ds_mla', extra_kv_format 'fp8_ds_mla')" in cuda.reason
-    # select_backend's rejection of each backend where the registry does not serve the call
+    # select_backend's rejection of a backend whose implementation is unavailable: the next one serves the call
     mega = make_mega_case(1, h_q=2, topk=64, fmt="fp8_ds_mla")
     gpu(cuda="cuda_ffi: not built (test)")
     choice = d.explain_impl(d.sparse_mla_mega_decode, *mega.args(), **mega.kwargs())
-    assert choice.impl == "xla"
+    assert choice.impl == "pallas"
     cuda, pallas, _ = choice.candidates
     assert "CUDA_SPARSE_DSV41: cuda_ffi: not built (test)" in cuda.reason
-    assert "PALLAS_SPARSE_DSV41: does not serve the mega interface" in pallas.reason
+    assert pallas.accepted and "PALLAS_SPARSE_DSV41 serves" in pallas.reason, pallas.reason
 
 
 def test_explain_on_a_gpu_takes_the_v41_records_to_cuda(gpu):
@@ -145,15 +146,11 @@ def test_mega_decode_runs_the_cuda_kernels_on_hopper_and_the_reference_elsewhere
     case = make_mega_case(3, h_q=8, topk=64, fmt="mxfp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="nvfp4_ds_mla"))
     choice = d.explain_impl(d.sparse_mla_mega_decode, *case.args(), **case.kwargs())
     assert choice.op == "sparse_mla_mega_decode" and choice.impl == "cuda", choice
-    pallas = choice.candidates[1]
-    assert not pallas.accepted and "does not serve the mega interface" in pallas.reason
-    assert "has no sparse_mla_mega_decode kernel" in pallas.reason
-    with pytest.raises(ValueError, match="impl='pallas' does not support this call: .*has no sparse_mla_mega_decode"):
-        d.sparse_mla_mega_decode(*case.args(), **case.kwargs(), impl="pallas")
-    # pools of both format families: the cuda kernels refuse the call, the reference runs it
+    assert choice.candidates[1].accepted  # pallas serves it too, after cuda
+    # pools of both format families: the cuda kernels refuse the call, the pallas kernels run it
     mixed = make_mega_case(4, h_q=8, topk=64, fmt="mxfp8_ds_mla", extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla"))
     choice = d.explain_impl("sparse_mla_mega_decode", *mixed.args(), **mixed.kwargs())
-    assert choice.impl == "xla" and "not both in one call" in choice.candidates[0].reason
+    assert choice.impl == "pallas" and "not both in one call" in choice.candidates[0].reason
 
 
 def test_mega_decode_on_cpu_is_the_reference():
@@ -170,10 +167,7 @@ def test_mega_prefill_runs_the_cuda_kernels_on_hopper(gpu):
     case = make_mega_prefill_case(6, s_q=3, h_q=8, topk=64)
     choice = d.explain_impl(d.sparse_mla_mega_prefill, *case.args(), **case.kwargs())
     assert choice.op == "sparse_mla_mega_prefill" and choice.impl == "cuda", choice
-    pallas = choice.candidates[1]
-    assert not pallas.accepted and "has no sparse_mla_mega_prefill kernel" in pallas.reason
-    with pytest.raises(ValueError, match="impl='pallas' does not support this call: .*has no sparse_mla_mega_prefill"):
-        d.sparse_mla_mega_prefill(*case.args(), **case.kwargs(), impl="pallas")
+    assert choice.candidates[1].accepted  # pallas serves it too, after cuda
     assert d.explain_impl("sparse_mla_mega_prefill", *case.args(), **case.kwargs()).impl == "cuda"
 
 
@@ -208,10 +202,11 @@ def test_explain_argument_errors():
 
 
 # ------------------------------------------------------------------------------- the warning
-def test_a_simulated_gpu_fallback_warns_once_per_reason(gpu, caplog):
+def test_a_simulated_gpu_fallback_warns_once_per_reason(gpu, caplog, monkeypatch):
     gpu(cuda="cuda_ffi: not built (test)", pallas=None)
+    monkeypatch.setattr(pallas_kernels, "mega_decode_supports", lambda call: "declined by the test")
     caplog.set_level(logging.WARNING, logger="dsv41_jax")
-    mega = make_mega_case(3, h_q=2, topk=64, fmt="mxfp8_ds_mla")  # no pallas mega kernel
+    mega = make_mega_case(3, h_q=2, topk=64, fmt="mxfp8_ds_mla")  # no kernel runs it
     out = d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs())
     ref = d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs(), impl="xla")
     for x, y in zip(out, ref):
@@ -220,7 +215,7 @@ def test_a_simulated_gpu_fallback_warns_once_per_reason(gpu, caplog):
     msg = rec.getMessage()
     assert "sparse_mla_mega_decode(impl='auto') runs the xla reference on cuda" in msg
     assert "cuda declined: FLASHMLA_SPARSE_DSV41: does not serve the mega interface" in msg
-    assert "pallas declined: PALLAS_SPARSE_DSV41: does not serve the mega interface" in msg and "explain_impl" in msg
+    assert "pallas declined: declined by the test" in msg and "explain_impl" in msg
     d.sparse_mla_mega_decode(*mega.args(), **mega.kwargs())  # the same reasons: no second warning
     assert len(_records(caplog)) == 1
     # another cause warns again: an fp8 cache when neither kernel is available

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER_TIMEOUT_S = 210
+WORKER_TIMEOUT_S = 300
 
 # id -> (kind, case kwargs, forced num_splits or None, detect races[, kernel_options])
 # Operands: decode runs with bf16 operands by default, prefill too at these sizes (kv larger than the
@@ -84,6 +84,21 @@ CASES = {
     "exact_nvfp4_f16": ("decode_exact", dict(fmt="nvfp4_ds_mla"), None, False, dict(f16=True)),
     "exact_mxfp8": ("decode_exact", dict(fmt="mxfp8_ds_mla"), None, False),
     "exact_mxfp8_f16": ("decode_exact", dict(fmt="mxfp8_ds_mla"), None, False, dict(f16=True)),
+    # the mega ops (q RoPE in the kernel; with one split the inverse RoPE and the e4m3 output in its epilogue, with
+    # several the combine's): the decode over V4.1, fp8_ds_mla and bf16 pools, the prefill, partial head groups
+    "mega_mx_nv_sinkinf": ("mega_decode", dict(fmt="mxfp8_ds_mla", block_size=256, topk=128, s_kv=400, h_q=64, b=3,
+                                               sink="inf", extra=dict(topk=192, block_size=64, fmt="nvfp4_ds_mla",
+                                                                      lengths="var")), None, False),
+    "mega_fp8_h100_splits2": ("mega_decode", dict(fmt="fp8_ds_mla", block_size=64, topk=64, h_q=100, b=2,
+                                                  invalid_frac=0.3, extra=dict(topk=128, block_size=69,
+                                                                               fmt="fp8_ds_mla")), 2, False),
+    "mega_bf16_h8_f16_invalid_row": ("mega_decode", dict(fmt="bf16", block_size=32, topk=128, h_q=8, b=3,
+                                                         all_invalid_row=True), None, False, dict(f16=True)),
+    "mega_exact": ("mega_exact", dict(h_q=64), None, False),
+    "mega_exact_f16": ("mega_exact", dict(h_q=64), None, False, dict(f16=True)),
+    "mega_prefill_h128_sinkinf": ("mega_prefill", dict(s_q=2, h_q=128, s_kv=200, topk=192, sink="inf"), None, False),
+    "mega_prefill_h100_zero_len_f16": ("mega_prefill", dict(s_q=3, h_q=100, s_kv=150, topk=64, lengths="zero"), None,
+                                       False, dict(f16=True)),
     # with a plan and batch_invariant=True (one split where the heuristic picks two): a sub-batch's rows are
     # bitwise the rows of the whole batch
     "decode_fp8_plan_batch_invariant": ("decode_invariant", dict(fmt="fp8_ds_mla", block_size=64, topk=512, h_q=8, b=3,
@@ -99,7 +114,9 @@ def _run_case(name: str) -> dict:
     import dsv41_jax as d
     import pallas_kernels
     from pallas_kernels import _interpret
-    from tests.attention_cases import assert_v41_exact, make_decode_case, make_prefill_case, make_v41_exact_decode_case
+    from tests.attention_cases import (assert_mega_close, assert_mega_exact, assert_v41_exact, make_decode_case,
+                                       make_mega_case, make_mega_exact_case, make_mega_prefill_case, make_prefill_case,
+                                       make_v41_exact_decode_case)
 
     kind, kw, splits, races, *opts = CASES[name]
     seed = sum(map(ord, name))
@@ -124,12 +141,24 @@ def _run_case(name: str) -> dict:
             part = jax.block_until_ready(f(plan_sub, q[sub], idx[sub], tl[sub]))
             for x, y in zip(res, part):
                 np.testing.assert_array_equal(np.asarray(x, np.float32)[sub], np.asarray(y, np.float32))
+        elif kind == "mega_decode":
+            case = make_mega_case(seed, **kw)
+            res = jax.jit(lambda *a: d.sparse_mla_mega_decode(*a, **case.kwargs(), impl="pallas"))(*case.args())
+        elif kind == "mega_exact":
+            case, want = make_mega_exact_case(kw["h_q"])
+            res = jax.jit(lambda *a: d.sparse_mla_mega_decode(*a, **case.kwargs(), impl="pallas"))(*case.args())
+            assert_mega_exact(res[0], res[1], want, name)
+        elif kind == "mega_prefill":
+            case = make_mega_prefill_case(seed, **kw)
+            res = jax.jit(lambda *a: d.sparse_mla_mega_prefill(*a, **case.kwargs(), impl="pallas"))(*case.args())
         else:
             case = make_prefill_case(seed, **kw)
             res = jax.jit(lambda *a: d.sparse_mla_prefill(*a, **case.kwargs(), impl="pallas"))(*case.args())
         res = jax.block_until_ready(res)
-    if kind == "decode_exact":
+    if kind in ("decode_exact", "mega_exact"):
         pass  # checked exactly above
+    elif kind.startswith("mega"):
+        assert_mega_close(*res, case.expected(), name, kind=kind.removeprefix("mega_"))
     elif kind != "prefill":
         case.check(*res, name)
     else:
@@ -213,6 +242,14 @@ LOWER_CASES = {
                                        2, dict(f16=True)),
     "decode_mx_f16": ("decode", dict(fmt="mxfp8_ds_mla", block_size=64, topk=128, h_q=8, b=2, s_q=2), None,
                       dict(f16=True)),
+    "mega_decode_mx_nv": ("mega_decode", dict(fmt="mxfp8_ds_mla", block_size=256, topk=128, h_q=64, b=2,
+                                              extra=dict(topk=128, block_size=64, fmt="nvfp4_ds_mla")), None),
+    "mega_decode_fp8_h100_splits": ("mega_decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=100, b=2),
+                                    2),
+    "mega_decode_bf16_f16": ("mega_decode", dict(fmt="bf16", block_size=32, topk=128, h_q=128, b=2), None,
+                             dict(f16=True)),
+    "mega_prefill": ("mega_prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None),
+    "mega_prefill_f16": ("mega_prefill", dict(s_q=4, h_q=64, topk=128, s_kv=300), None, dict(f16=True)),
 }
 
 
@@ -223,7 +260,7 @@ def test_lowers_for_cuda(name):
     import dsv41_jax as d
     import pallas_kernels
     from pallas_kernels import _interpret
-    from tests.attention_cases import make_decode_case, make_prefill_case
+    from tests.attention_cases import make_decode_case, make_mega_case, make_mega_prefill_case, make_prefill_case
 
     kind, kw, splits, *opts = LOWER_CASES[name]
     with (_interpret.gpu_mode(), pallas_kernels.num_splits_override(splits),
@@ -231,6 +268,12 @@ def test_lowers_for_cuda(name):
         if kind == "decode":
             case = make_decode_case(1, **kw)
             f = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))
+        elif kind == "mega_decode":
+            case = make_mega_case(1, **kw)
+            f = jax.jit(lambda *a: d.sparse_mla_mega_decode(*a, **case.kwargs(), impl="pallas"))
+        elif kind == "mega_prefill":
+            case = make_mega_prefill_case(1, **kw)
+            f = jax.jit(lambda *a: d.sparse_mla_mega_prefill(*a, **case.kwargs(), impl="pallas"))
         else:
             case = make_prefill_case(1, **kw)
             f = jax.jit(lambda *a: d.sparse_mla_prefill(*a, **case.kwargs(), impl="pallas"))

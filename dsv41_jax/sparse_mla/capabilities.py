@@ -193,7 +193,8 @@ FLASHMLA_MEGA_ATTN_DSV41 = BackendSpec(
     notes="FlashMLA's fused q RoPE + sparse attention + inverse RoPE + fp8 output kernel (SM100 only, no SM90 "
           "kernel): the seed's flags. No kernel of this library is FlashMLA's; sparse_mla_mega_decode and "
           "sparse_mla_mega_prefill run CUDA_SPARSE_DSV41's fused decode and prefill kernels on SM90 (run) and "
-          "SM100 (compiled only, never run here) and the xla reference elsewhere.",
+          "SM100 (compiled only, never run here), PALLAS_SPARSE_DSV41's on SM90 (run; on SM100 the same SM90-style "
+          "kernel, never run here), and the xla reference elsewhere.",
 )
 
 CUDA_SPARSE_DSV41 = BackendSpec(
@@ -224,8 +225,11 @@ PALLAS_SPARSE_DSV41 = BackendSpec(
     platforms=("cuda",),
     compute_capability_majors=(9, 10),
     kernel_block_sizes=lambda cc: None,
+    interfaces=("sparse", "mega"),
     notes=("Pallas Mosaic GPU kernels (pallas_kernels/); any page size; decode reads every cache format in any mix "
-           "of main and extra cache (V4.1's records dequantized by the kernel)."),
+           "of main and extra cache (V4.1's records dequantized by the kernel). The mega interface: the same kernels "
+           "with q RoPE inside and, when a call runs in one split, the inverse RoPE and the e4m3 output in their "
+           "epilogue (split calls: in the XLA combine)."),
 )
 
 XLA_SPARSE_DSV41 = BackendSpec(

@@ -71,14 +71,17 @@ def test_first_use_build_on_the_gpu(tmp_path):
     assert res["err"] <= 1e-2 * max(res["scale"], 1.0), res
 
 
-def test_explain_on_the_gpu_accepts_cuda_and_explains_a_fallback(caplog):
+def test_explain_on_the_gpu_accepts_cuda_and_explains_a_fallback(caplog, monkeypatch):
     case = make_decode_case(6, h_q=16, topk=128, fmt="fp8_ds_mla", block_size=64)
     choice = d.explain_impl(d.sparse_mla_decode, *case.args(), **case.kwargs())
     assert choice.device.platform == "cuda" and choice.device.compute_capability[0] in (9, 10)
     assert choice.impl == "cuda", str(choice)
     # a call no kernel runs (a mega decode over an mxfp8_ds_mla cache next to an fp8_ds_mla one: the cuda kernels
-    # read one format family per call, pallas has no mega kernel): the reference runs, with a warning naming why
-    # each kernel declined
+    # read one format family per call; the pallas kernels, which read any mix, are made to decline it here): the
+    # reference runs, with a warning naming why each kernel declined
+    import pallas_kernels
+
+    monkeypatch.setattr(pallas_kernels, "mega_decode_supports", lambda call: "declined by the test")
     other = make_mega_case(7, h_q=16, topk=128, fmt="mxfp8_ds_mla", block_size=64,
                            extra=dict(topk=64, block_size=2, fmt="fp8_ds_mla"))
     fallback = d.explain_impl(d.sparse_mla_mega_decode, *other.args(), **other.kwargs())

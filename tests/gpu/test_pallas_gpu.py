@@ -10,6 +10,9 @@ Run on the GPU machine from the repository root:
 - large cases against the xla reference: decode b=128, s_q=2, h=128, topk 2048 (fp8_ds_mla),
   decode b=4 with topk 2048 + extra 1024 (splits), prefill s_q=512, h=128, topk 2048;
 - determinism: two runs are bitwise equal; caches past 4 GiB in each quantized format;
+- the mega ops (`sparse_mla_mega_decode` / `sparse_mla_mega_prefill(impl="pallas")`): the mega grids in both
+  operand modes, the decode with its output stage in the kernel and in the combine, the output stage's exact
+  bytes, the V4.1-Flash decode shape and a prefill of s_q 700 against the reference;
 - both operand modes (`kernel_options(f16=...)`: f16 Q / K / P, the default for large prefill; bf16
   with P = P_hi + P_lo, the default for decode and small prefill) on grid cases run in the other mode, the f16 conversion's saturation, and the fp8 -> f16 conversion's
   fast (exponents 113..134) and f32 paths (tokens of both ranges, and tiny ones only on the f32 path).
@@ -25,14 +28,26 @@ if jax.default_backend() != "gpu":
     pytest.skip(f"needs a CUDA GPU: jax.default_backend() is {jax.default_backend()!r}", allow_module_level=True)
 
 import pallas_kernels  # noqa: E402
-from dsv41_jax import sparse_mla_decode, sparse_mla_prefill  # noqa: E402
+from dsv41_jax import (  # noqa: E402
+    sparse_mla_decode,
+    sparse_mla_mega_decode,
+    sparse_mla_mega_prefill,
+    sparse_mla_prefill,
+)
 from tests.attention_cases import (  # noqa: E402
     DECODE_GRID,
+    MEGA_DECODE_GRID,
+    MEGA_PREFILL_GRID,
     PREFILL_GRID,
     V41_DECODE_GRID,
     assert_close,
+    assert_mega_close,
+    assert_mega_exact,
     assert_v41_exact,
     make_decode_case,
+    make_mega_case,
+    make_mega_exact_case,
+    make_mega_prefill_case,
     make_prefill_case,
     make_saturating_prefill_case,
     make_two_scale_decode_case,
@@ -278,3 +293,67 @@ def test_sharded_ops_on_one_device_equal_the_plain_calls():
                                                         **p.kwargs()))(*p.args())
     for x, y in zip(got, _prefill(p)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+# ----------------------------------------------------------------------------------- the mega ops
+MEGA_IDS = [n for n, _ in MEGA_DECODE_GRID]
+MEGA_PREFILL_IDS = [n for n, _ in MEGA_PREFILL_GRID]
+
+
+def _mega(case, splits=None, impl="pallas", **options):
+    with pallas_kernels.num_splits_override(splits), pallas_kernels.kernel_options(**options):
+        f = jax.jit(lambda *a: sparse_mla_mega_decode(*a, impl=impl, **case.kwargs()))
+        return jax.block_until_ready(f(*case.args()))
+
+
+def _mega_prefill(case, splits=None, impl="pallas", **options):
+    with pallas_kernels.num_splits_override(splits), pallas_kernels.kernel_options(**options):
+        f = jax.jit(lambda *a: sparse_mla_mega_prefill(*a, impl=impl, **case.kwargs()))
+        return jax.block_until_ready(f(*case.args()))
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["in_kernel", "combine"])
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16_ops", "f16_ops"])
+@pytest.mark.parametrize("name", MEGA_IDS)
+def test_mega_decode_grid(name, f16, splits):
+    # one split: the output stage runs in the kernel's epilogue; three: the combine finishes the partials
+    i = MEGA_IDS.index(name)
+    case = make_mega_case(400 + i, **MEGA_DECODE_GRID[i][1])
+    assert_mega_close(*_mega(case, splits=splits, f16=f16), case.expected(), f"pallas mega decode {name}")
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16_ops", "f16_ops"])
+@pytest.mark.parametrize("h_q", [64, 128, 8])
+def test_mega_output_stage_is_exact(h_q, f16):
+    case, want = make_mega_exact_case(h_q)
+    out, scale, _ = _mega(case, splits=1, f16=f16)
+    assert_mega_exact(out, scale, want, f"pallas mega decode h{h_q} f16={f16}")
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16_ops", "f16_ops"])
+@pytest.mark.parametrize("name", MEGA_PREFILL_IDS)
+def test_mega_prefill_grid(name, f16):
+    i = MEGA_PREFILL_IDS.index(name)
+    case = make_mega_prefill_case(500 + i, **MEGA_PREFILL_GRID[i][1])
+    assert_mega_close(*_mega_prefill(case, f16=f16), case.expected(), f"pallas mega prefill {name}", kind="prefill")
+
+
+def test_mega_v41_flash_shape_vs_xla():
+    # the V4.1-Flash decode shape (SWA 128 from mxfp8_ds_mla pages of 256, compressed 512 from nvfp4_ds_mla pages of
+    # 64), 128 tokens: the split heuristic's path, against the reference's exponents and values
+    case = make_mega_case(433, b=128, h_q=64, topk=128, block_size=256, fmt="mxfp8_ds_mla", s_kv=1024,
+                          max_pos=65536, extra=dict(topk=512, block_size=64, fmt="nvfp4_ds_mla", s_kv=4096))
+    got = _mega(case)
+    assert_mega_close(*got, case.expected(), "pallas mega decode, V4.1-Flash shape")
+    ref = _mega(case, impl="xla")
+    same = np.asarray(got[1]) == np.asarray(ref[1])
+    assert same.mean() > 0.99, f"exponents equal to the reference's: {same.mean():.4f}"
+
+
+def test_mega_prefill_large_sq_vs_xla():
+    case = make_mega_prefill_case(532, s_q=700, h_q=128, s_kv=1521, topk=512, sink="inf", max_pos=4096)
+    got = _mega_prefill(case)
+    assert_mega_close(*got, case.expected(), "pallas mega prefill s_q 700 h 128", kind="prefill")
+    ref = _mega_prefill(case, impl="xla")
+    same = np.asarray(got[1]) == np.asarray(ref[1])
+    assert same.mean() > 0.99, f"exponents equal to the reference's: {same.mean():.4f}"
