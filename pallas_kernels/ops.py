@@ -16,7 +16,7 @@ The XLA side only touches indices and per-entry metadata, never the KV data:
 Splits: a fixed split of each row's valid blocks into `num_splits` equal parts (not FlashMLA's
 `plan_decode_splits`, whose per-SM request ranges would need a persistent kernel with
 data-dependent output routing). `num_splits` is chosen statically so that rows x head-groups x
-splits fills about two waves of the GPU (`choose_num_splits`); with one split the kernel writes
+splits fills at most one wave of the GPU (`choose_num_splits`); with one split the kernel writes
 the final output, otherwise f32 partials merged by `combine_splits` (jnp).
 
 The mega ops run the same kernels with `KernelSpec.mega`: q goes in unroped with each row's cos / sin
@@ -44,9 +44,9 @@ from pallas_kernels._mega import rope_rows
 from pallas_kernels._spec import (HB, OUT_GROUP, QUANTIZED_FORMATS, SCALE_GROUPS, KernelSpec, PoolSpec, T,
                                   scale_offsets_mode)
 
-__all__ = ["decode", "prefill", "mega_decode", "mega_prefill", "combine_splits", "choose_num_splits", "pool_operands", "unsupported_reason",
-           "to_f16", "prefill_rows_f16", "decode_operands_f16", "num_splits_override", "kernel_options",
-           "KV_FORMATS", "V41_FORMATS"]
+__all__ = ["decode", "prefill", "mega_decode", "mega_prefill", "combine_splits", "choose_num_splits", "pool_operands",
+           "unsupported_reason", "to_f16", "prefill_rows_f16", "decode_operands_f16", "num_splits_override",
+           "kernel_options", "KV_FORMATS", "V41_FORMATS"]
 
 KV_FORMATS = ("bf16",) + QUANTIZED_FORMATS  # the cache formats the kernels read: every one
 assert set(KV_FORMATS) == set(kvc.KV_FORMATS)
@@ -87,11 +87,16 @@ def _cdiv(a, b):
 
 
 def choose_num_splits(rows: int, head_groups: int, max_blocks: int, num_sms: int | None = None) -> int:
-    """Static split count: enough programs for ~2 waves, at least 4 blocks (256 tokens) per split."""
+    """Static split count: as many parts as fit the programs in one wave (`num_sms // (rows x head groups)`), at
+    least 4 blocks (256 tokens) per split, at most 64.
+
+    A split is worth its cost only where it shortens the wave count: every split of a 64-head program writes and
+    the combine reads 128 KiB of f32 partials, more than the ~33 KiB of records it reads per V4.1 block. Splitting
+    a call that already fills about one wave only adds waves of shorter programs plus that traffic
+    (benchmarks/RESULTS.md: 128 rows of the V4.1-Flash decode, 49.5 us in one split against 78.7 us in two)."""
     num_sms = num_sms or default_num_sms()
     ctas = max(rows * head_groups, 1)
-    want = _cdiv(2 * num_sms, ctas)
-    return int(max(1, min(want, max_blocks // 4, 64)))
+    return int(max(1, min(num_sms // ctas, max_blocks // 4, 64)))
 
 
 def unsupported_reason(kv_format: str, cache) -> str | None:
