@@ -643,8 +643,6 @@ def make_mega_exact_case(h_q: int, seed: int = 421, b: int = 6) -> tuple[MegaCas
     the output stage has one exact result: the inverse RoPE (a c + b s, b c - a s in float32), the exponent rule
     and e4m3 round to nearest even give `want_values` (uint8 [b, 512]) and `want_exponents` (uint8 [b, 16]) for
     every head."""
-    import ml_dtypes
-
     case = make_mega_case(seed, b=b, h_q=h_q, topk=64, block_size=64, fmt="mxfp8_ds_mla", lengths=np.ones(b, int),
                           invalid_frac=0.0, sink="none")
     c = case.base
@@ -656,11 +654,19 @@ def make_mega_exact_case(h_q: int, seed: int = 421, b: int = 6) -> tuple[MegaCas
     a, bb = rows[:, 448::2].copy(), rows[:, 449::2].copy()
     rows[:, 448::2] = a * cos + bb * sin
     rows[:, 449::2] = bb * cos - a * sin
-    g = rows.reshape(b, 16, 32).astype(np.float64)
+    return case, mega_out_exact(rows)
+
+
+def mega_out_exact(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The mega output stage's exact result for float32 x [..., 512] (already inverse-roped): (e4m3 bytes uint8
+    [..., 512], exponent bytes uint8 [..., 16])."""
+    import ml_dtypes
+
+    g = x.reshape(x.shape[:-1] + (16, 32)).astype(np.float64)
     amax = np.maximum(np.abs(g).max(-1), np.float64(np.float32(1e-4)))
     e = np.ceil(np.log2(amax / 448.0))  # exact in float64 for these float32 inputs
     v = np.clip(g * 2.0 ** -e[..., None], -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
-    return case, (v.reshape(b, 512).view(np.uint8), (e + 127).astype(np.uint8))
+    return v.reshape(x.shape).view(np.uint8), (e + 127).astype(np.uint8)
 
 
 def assert_mega_exact(out, out_scale, want, what: str = "") -> None:

@@ -54,6 +54,7 @@ from tests.attention_cases import (
     assert_mega_exact,
     make_mega_case,
     make_mega_exact_case,
+    mega_out_exact,
     make_mega_prefill_case,
     make_decode_case,
     make_prefill_case,
@@ -1082,13 +1083,8 @@ def test_emulated_mega_prefill_output_stage_is_exact(emu, emu_mma_sync, kv_f16, 
     a, b = rows[:, 448::2].copy(), rows[:, 449::2].copy()
     rows[:, 448::2] = a * cos + b * sin
     rows[:, 449::2] = b * cos - a * sin
-    want_v, want_e = _e4m3_exact(rows)
     out, scale, _ = mega_prefill_emulated(_mega_prefill_call(case), kv_f16=kv_f16, consumer=consumer)
-    got_v = np.asarray(out).view(np.uint8)
-    for h in (0, h_q - 1):
-        np.testing.assert_array_equal(np.asarray(scale)[:, h], want_e)
-        np.testing.assert_array_equal(got_v[:, h].view(jnp.float8_e4m3fn).astype(np.float32),
-                                      want_v.view(jnp.float8_e4m3fn).astype(np.float32))
+    assert_mega_exact(out, scale, mega_out_exact(rows), f"emulated mega prefill h{h_q}")
 
 
 def test_emulated_mega_prefill_ropes_at_the_positions(emu):
