@@ -175,3 +175,32 @@ def test_pallas_lowering_counts_the_module_ops():
         lowered, t_trace, t_lower = L._lowered("decode", (2, 1, 64, 64, 64, 64))
     (counts,) = L.module_op_counts(lowered)
     assert sum(counts.values()) > 1000 and counts["llvm.inline_asm"] > 0 and t_trace >= 0 and t_lower > 0
+
+
+def test_pallas_mega_ablation_variants_change_the_kernel():
+    # benchmarks.pallas_mega_ablation: each variant's patch reaches the lowered Mosaic GPU module (a module unlike the
+    # default's), and leaving the variant restores the kernel
+    import jax
+
+    import dsv41_jax as d
+    import pallas_kernels
+    from benchmarks import pallas_lowering as L
+    from benchmarks.pallas_mega_ablation import VARIANTS, patched
+    from pallas_kernels import _interpret
+    from tests.attention_cases import make_mega_case
+
+    case = make_mega_case(1, b=2, h_q=64, topk=64, fmt="mxfp8_ds_mla", extra=dict(topk=64, block_size=64,
+                                                                                  fmt="nvfp4_ds_mla"))
+
+    def module(variant):
+        with _interpret.gpu_mode(), pallas_kernels.num_splits_override(1), patched(variant):
+            f = jax.jit(lambda *a: d.sparse_mla_mega_decode(*a, **case.kwargs(), impl="pallas"))
+            lowered = f.trace(*case.args()).lower(lowering_platforms=("cuda",))
+            (text,) = L.module_texts(lowered, without_dump_basename=True)
+        return text
+
+    default = module("default")
+    for v in VARIANTS:
+        if v != "default":
+            assert module(v) != default, v
+    assert module("default") == default

@@ -1,0 +1,138 @@
+"""What the pallas mega decode's stages cost: the mega decode with parts of its in-kernel stages removed, against the
+plain decode, on the same inputs (needs a CUDA GPU; experiments, not recorded as results).
+
+    PYTHONPATH=. python3 -m benchmarks.pallas_mega_ablation [--cases mega_v41_h64_t512,mega_v41_h64_t128]
+                                                            [--variants default,no_stage,...] [--splits 1]
+
+Each variant patches one piece of `pallas_kernels` while its kernels are traced (the output stage, its stores, the
+inverse rotation or Q's RoPE); the outputs of every variant but `default` are wrong by design:
+
+- `default`: the kernel as it is;
+- `no_stage`: no output stage (only lse is stored): the kernel's cost without the stage;
+- `no_scale_store` / `no_value_store`: the stage without storing the exponents / the e4m3 values;
+- `no_inverse_rope`: the stage without warpgroup 1's inverse RoPE;
+- `no_q_rope`: Q not roped in the kernel (the output stage kept).
+
+Cases are `benchmarks.mega_decode.MEGA_CASES` names; `--splits` forces the split count (default 1: the output stage
+runs in the kernel). Times are CUPTI sums of every kernel per call (`benchmarks.sparse_mla`'s timer), the median
+over `--iterations` calls of one input draw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+__all__ = ["VARIANTS", "patched", "main"]
+
+
+class _Discard:
+    """A stand-in output ref: every store into it is dropped (`ref.at[...][...] = v`)."""
+
+    @property
+    def at(self):
+        return self
+
+    def __getitem__(self, idx):
+        return self
+
+    def __setitem__(self, idx, value):
+        pass
+
+
+def _without(field: str):
+    """`_kernel._program` with a mega kernel's `field` output (out / scale) replaced by `_Discard` (the plain kernel
+    as it is)."""
+    import dataclasses
+
+    from pallas_kernels import _kernel
+
+    program = _kernel._program
+
+    def patched_program(spec, refs):
+        prog = program(spec, refs)
+        return dataclasses.replace(prog, **{field: _Discard()}) if spec.mega_out else prog
+
+    return patched_program
+
+
+def _no_inverse_rope():
+    from pallas_kernels import _mega
+
+    rotate = _mega._rotate
+    return lambda prog, x, sign: x if sign < 0 else rotate(prog, x, sign)
+
+
+# variant -> {(module, attribute): replacement factory}
+VARIANTS = {
+    "default": {},
+    "no_stage": {("_compute", "store_mega_out"): lambda: (lambda prog, w, res: None)},
+    "no_scale_store": {("_kernel", "_program"): lambda: _without("scale")},
+    "no_value_store": {("_kernel", "_program"): lambda: _without("out")},
+    "no_inverse_rope": {("_mega", "_rotate"): _no_inverse_rope},
+    "no_q_rope": {("_compute", "rope_q"): lambda: (lambda prog: None)},
+}
+
+
+@contextlib.contextmanager
+def patched(variant: str):
+    """Inside: kernels traced with `variant`'s stages (fresh kernels: the kernel caches are cleared on entry and
+    exit, so no variant reuses another's compiled kernel)."""
+    import importlib
+
+    from pallas_kernels import ops
+
+    targets = {key: importlib.import_module(f"pallas_kernels.{key[0]}") for key in VARIANTS[variant]}
+    saved = {key: getattr(mod, key[1]) for key, mod in targets.items()}
+    ops._kernel_fn.cache_clear()
+    ops._exported_kernel.cache_clear()
+    try:
+        for key, make in VARIANTS[variant].items():
+            setattr(targets[key], key[1], make())
+        yield
+    finally:
+        for key, fn in saved.items():
+            setattr(targets[key], key[1], fn)
+        ops._kernel_fn.cache_clear()
+        ops._exported_kernel.cache_clear()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="mega_v41_h64_t512,mega_v41_h64_t128")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--splits", type=int, default=1)
+    ap.add_argument("--iterations", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    if jax.default_backend() != "gpu":
+        print(f"needs a CUDA GPU (jax.default_backend() is {jax.default_backend()!r})", file=sys.stderr)
+        return 2
+    import pallas_kernels
+    from benchmarks.mega_decode import MEGA_CASES, run_mega_case
+    from benchmarks.sparse_mla import _timer
+
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"unknown variants {unknown}; known: {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    timer, _ = _timer("auto")
+    by_name = {c.name: c for c in MEGA_CASES}
+    for name in args.cases.split(","):
+        if name not in by_name:
+            print(f"unknown case {name!r}; known: {list(by_name)}", file=sys.stderr)
+            return 2
+        for v in variants:
+            with patched(v), pallas_kernels.num_splits_override(args.splits):
+                r = run_mega_case(by_name[name], "pallas", timer, 1, args.iterations)
+            print(f"{name:22s} splits={args.splits} {v:16s} mega {r['mega_us']:8.1f} us  "
+                  f"plain {r['plain_us']:8.1f} us  (mega / plain {r['mega_over_plain']:.3f})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
