@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["rope_rows", "swap_pairs", "rope_q", "store_mega_out"]
 
-ROPE = ROPE_DIM
 WGMMA = plgpu.Layout.WGMMA
 
 
@@ -37,20 +36,20 @@ def rope_rows(positions, cos_sin_cache):
     (-sin_i at 2i, +sin_i at 2i + 1); positions clamped into the table as the reference clamps them."""
     pos = jnp.clip(positions.astype(jnp.int32), 0, cos_sin_cache.shape[0] - 1)
     cs = cos_sin_cache[pos].astype(jnp.float32)
-    cos, sin = cs[:, : ROPE // 2], cs[:, ROPE // 2:]
+    cos, sin = cs[:, : ROPE_DIM // 2], cs[:, ROPE_DIM // 2:]
     cosd = jnp.repeat(cos, 2, axis=1)
-    sind = jnp.stack([-sin, sin], axis=-1).reshape(pos.shape[0], ROPE)
+    sind = jnp.stack([-sin, sin], axis=-1).reshape(pos.shape[0], ROPE_DIM)
     return jnp.stack([cosd, sind], axis=1)
 
 
 def swap_pairs(x, interpret: bool):
     """x f32 [64, 64] in the wgmma layout with each pair's two values exchanged."""
     if interpret:
-        return x.reshape(HB, ROPE // 2, 2)[..., ::-1].reshape(HB, ROPE)
+        return x.reshape(HB, ROPE_DIM // 2, 2)[..., ::-1].reshape(HB, ROPE_DIM)
     from jax._src.lib.mlir.dialects import vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=plgpu.ShapeDtypeStruct((HB, ROPE), jnp.float32, WGMMA))
+    @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=plgpu.ShapeDtypeStruct((HB, ROPE_DIM), jnp.float32, WGMMA))
     def swap(ctx, a):
         del ctx
         regs = np.empty_like(a.registers)
@@ -65,8 +64,8 @@ def swap_pairs(x, interpret: bool):
 
 def _rotate(prog: Program, x, sign: float):
     """x f32 [64 heads, 64 dims] rotated by the row's angle (sign 1) or back (sign -1)."""
-    cosd = lax.broadcast_in_dim(plgpu.load(prog.s.cs.at[0], layout=COL), (HB, ROPE), [1])
-    sind = lax.broadcast_in_dim(plgpu.load(prog.s.cs.at[1], layout=COL), (HB, ROPE), [1])
+    cosd = lax.broadcast_in_dim(plgpu.load(prog.s.cs.at[0], layout=COL), (HB, ROPE_DIM), [1])
+    sind = lax.broadcast_in_dim(plgpu.load(prog.s.cs.at[1], layout=COL), (HB, ROPE_DIM), [1])
     xs = swap_pairs(x, prog.spec.interpret)
     return x * cosd + xs * sind if sign > 0 else x * cosd - xs * sind
 
@@ -74,7 +73,7 @@ def _rotate(prog: Program, x, sign: float):
 def rope_q(prog: Program):
     """Warpgroup 1: Q's dims 448..511 (its half's last 64; bf16 bits, whatever the tile's type) roped in SMEM,
     in f32 and rounded to bf16 as the reference ropes q."""
-    qr = prog.s.q.at[1, :, pl.ds(HALF - ROPE, ROPE)]
+    qr = prog.s.q.at[1, :, pl.ds(HALF - ROPE_DIM, ROPE_DIM)]
     bits = plgpu.load(qr, layout=WGMMA)
     x = lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
     qr[...] = lax.bitcast_convert_type(_rotate(prog, x, 1.0).astype(jnp.bfloat16), qr.dtype)
@@ -85,9 +84,9 @@ def store_mega_out(prog: Program, w: int, res):
     32 dims the exponent and the e4m3 values x 2^-e, stored with the exponents."""
     row, h0 = prog.row, prog.h0
     if w == 1:
-        rot = _rotate(prog, res[:, HALF - ROPE:], -1.0)
-        pieces = [res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range((HALF - ROPE) // OUT_GROUP)]
-        pieces += [rot[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(ROPE // OUT_GROUP)]
+        rot = _rotate(prog, res[:, HALF - ROPE_DIM:], -1.0)
+        pieces = [res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range((HALF - ROPE_DIM) // OUT_GROUP)]
+        pieces += [rot[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(ROPE_DIM // OUT_GROUP)]
     else:
         pieces = [res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(HALF // OUT_GROUP)]
     groups = HALF // OUT_GROUP
