@@ -341,7 +341,8 @@ def test_mega_prefill_grid(name, f16):
 
 def test_mega_v41_flash_shape_vs_xla():
     # the V4.1-Flash decode shape (SWA 128 from mxfp8_ds_mla pages of 256, compressed 512 from nvfp4_ds_mla pages of
-    # 64), 128 tokens: the split heuristic's path, against the reference's exponents and values
+    # 64), 128 tokens: the default split choice (one split at 128 rows: the output stage in the kernel), against the
+    # reference's exponents and values
     case = make_mega_case(433, b=128, h_q=64, topk=128, block_size=256, fmt="mxfp8_ds_mla", s_kv=1024,
                           max_pos=65536, extra=dict(topk=512, block_size=64, fmt="nvfp4_ds_mla", s_kv=4096))
     assert_mega_like_reference(_mega(case), _mega(case, impl="xla"), case.expected(),
