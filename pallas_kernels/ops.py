@@ -281,8 +281,10 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False, rope=None):
     return out[:, :h], mx[:, :h], lse[:, :h]
 
 
-def _decode_pools(call, b: int, s_q: int):
-    """The pool operands of a `DecodeCall`'s main and extra cache, one row per (request, query token)."""
+def _decode_rows(call, num_splits, rope=None):
+    """`_run` over a `DecodeCall`'s rows, one per (request, query token): the main and the extra cache's pool
+    operands, one split when batch-invariant, f16 operands for V4.1 pools alone."""
+    b, s_q, h, d = call.q.shape
     R = b * s_q
 
     def rows(idx, lens):
@@ -294,7 +296,20 @@ def _decode_pools(call, b: int, s_q: int):
     if call.has_extra:
         pools.append(pool_operands(call.extra_kv_cache, call.extra_kv_format, call.extra_block_size,
                                    *rows(call.extra_indices, etl), scale_offsets=so))
-    return pools
+    if call.batch_invariant:  # one program per row and head group over the whole row: no split-KV
+        num_splits = 1
+    return _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits,
+                f16=decode_operands_f16([ps.kv_format for _, ps, _ in pools]), rope=rope)
+
+
+def _prefill_rows(call, num_splits, rope=None):
+    """`_run` over a `PrefillCall`'s queries: one bf16 row pool (`kv`), f16 operands where `prefill_rows_f16` says."""
+    kv = call.kv
+    pool = pool_operands(kv.reshape(1, kv.shape[0], kv.shape[1]), "bf16", kv.shape[0], call.indices,
+                         call.lengths().astype(jnp.int32))
+    s_q, h, _ = call.q.shape
+    return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits,
+                f16=prefill_rows_f16(kv.shape[0], s_q, call.indices.shape[1], h), rope=rope)
 
 
 def decode(call, *, num_splits: int | None = None):
@@ -304,50 +319,26 @@ def decode(call, *, num_splits: int | None = None):
     FlashMLA part ranges are not used (its shapes were checked by the op), batch_invariant gives one
     split."""
     b, s_q, h, d = call.q.shape
-    R = b * s_q
-    pools = _decode_pools(call, b, s_q)
-    if call.batch_invariant:  # one program per row and head group over the whole row: no split-KV
-        num_splits = 1
-    out, _, lse = _run(call.q.reshape(R, h, d), pools, call.attn_sink, call.softmax_scale, num_splits,
-                       f16=decode_operands_f16([ps.kv_format for _, ps, _ in pools]))
+    out, _, lse = _decode_rows(call, num_splits)
     return out.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
 
 
 def mega_decode(call, *, num_splits: int | None = None):
     """`impl="pallas"` mega decode of a checked `MegaDecodeCall`: (out e4m3 [T, h, 512], out_scale uint8
     [T, h, 16], lse f32 [T, h]). The decode's kernel with Q roped in it and, with one split, the output stage in
-    its epilogue (`KernelSpec.mega`)."""
-    dc = call.decode
-    q = dc.q[:, 0]
-    pools = _decode_pools(dc, q.shape[0], 1)
-    if dc.batch_invariant:
-        num_splits = 1
-    return _run(q, pools, dc.attn_sink, dc.softmax_scale, num_splits,
-                f16=decode_operands_f16([ps.kv_format for _, ps, _ in pools]),
-                rope=(call.positions, call.cos_sin_cache))
+    its epilogue (`KernelSpec.mega`); the T one-token requests are T rows."""
+    return _decode_rows(call.decode, num_splits, rope=(call.positions, call.cos_sin_cache))
 
 
 def mega_prefill(call, *, num_splits: int | None = None):
     """`impl="pallas"` mega prefill of a checked `MegaPrefillCall`: (out e4m3 [s_q, h, 512], out_scale uint8
     [s_q, h, 16], lse f32 [s_q, h]), as `mega_decode` over the prefill's kernel."""
-    pc = call.prefill
-    kv = pc.kv
-    pool = pool_operands(kv.reshape(1, kv.shape[0], kv.shape[1]), "bf16", kv.shape[0], pc.indices,
-                         pc.lengths().astype(jnp.int32))
-    s_q, h, _ = pc.q.shape
-    return _run(pc.q, [pool], pc.attn_sink, pc.softmax_scale, num_splits,
-                f16=prefill_rows_f16(kv.shape[0], s_q, pc.indices.shape[1], h),
-                rope=(call.positions, call.cos_sin_cache))
+    return _prefill_rows(call.prefill, num_splits, rope=(call.positions, call.cos_sin_cache))
 
 
 def prefill(call, *, num_splits: int | None = None):
     """`impl="pallas"` prefill of a checked `PrefillCall`: (out bf16 [s_q, h, 512], max_logits, lse f32 [s_q, h])."""
-    kv = call.kv
-    pool = pool_operands(kv.reshape(1, kv.shape[0], kv.shape[1]), "bf16", kv.shape[0], call.indices,
-                         call.lengths().astype(jnp.int32))
-    s_q, h, _ = call.q.shape
-    return _run(call.q, [pool], call.attn_sink, call.softmax_scale, num_splits,
-                f16=prefill_rows_f16(kv.shape[0], s_q, call.indices.shape[1], h))
+    return _prefill_rows(call, num_splits)
 
 
 def decode_operands_f16(kv_formats) -> bool:
