@@ -50,7 +50,7 @@ from jax import lax
 
 from pallas_kernels._compute import compute_warpgroup
 from pallas_kernels._memory import memory_warpgroup
-from pallas_kernels._spec import (D, HALF, HB, NBUF, OUT_GROUP, ROPE_DIM, SCALE_GROUPS, SMEM_LIMIT, STAGE_PITCH,
+from pallas_kernels._spec import (D, HALF, HB, NBUF, OUT_GROUP, SCALE_GROUPS, SMEM_LIMIT, STAGE_PITCH,
                                   SWIZZLE, TILE, KernelSpec, T, smem_bytes)
 
 __all__ = ["build_kernel", "Program", "Scratch"]
@@ -67,8 +67,8 @@ class Scratch:
     scales: Any
     idx: Any  # the block's sources [NBUF, 64]
     combiner: Any  # interpreter, fp8_ds_mla pools: `rope_combiner`
-    sink: Any  # [64] f32
-    cs: Any  # mega: the row's per-dim cos and signed sin [2, 64] f32 (`_mega.rope_rows`)
+    sink: Any  # [64] f32 (a row of the constants buffer)
+    cs: Any  # mega: the row's per-dim cos and signed sin [2, 64] f32 (`_mega.rope_rows`; rows of the same buffer)
     q_bar: Any
     full: Any
     free: Any
@@ -134,7 +134,7 @@ def _program(spec: KernelSpec, refs) -> Program:
         pools.append((cache, src, scales))
     out_ref, lse_ref, third = next(it), next(it), next(it)
     mx_ref, scale_ref = (None, third) if spec.mega_out else (third, None)
-    scratch = Scratch(*next(it))
+    scratch = _scratch(spec, next(it))
     rest = list(it)
     assert not rest, rest
 
@@ -150,8 +150,19 @@ def _program(spec: KernelSpec, refs) -> Program:
                    split, h0, ranges)
 
 
+def _scratch(spec: KernelSpec, refs) -> Scratch:
+    """`Scratch` from the allocated refs (`_scratch_types`' order): the sink and cos / sin are views of the one
+    constants buffer."""
+    refs = list(refs)
+    consts = refs[6]
+    sink = consts.at[0] if spec.has_sink else None
+    cs = consts.at[pl.ds(int(spec.has_sink), 2)] if spec.mega else None
+    return Scratch(*refs[:6], sink, cs, *refs[7:])
+
+
 def _scratch_types(spec: KernelSpec) -> tuple:
-    """SMEM buffers and barriers, in `Scratch`'s order."""
+    """SMEM buffers and barriers, in `Scratch`'s order (the sink and cos / sin as one constants buffer,
+    `KernelSpec.row_consts` rows)."""
     quant, interpret, xbufs = spec.has_quantized, spec.interpret, spec.xbufs
     rope_bf16 = interpret and spec.has_rope_bf16
     if not quant:
@@ -167,8 +178,8 @@ def _scratch_types(spec: KernelSpec) -> tuple:
         scales,
         plgpu.SMEM((NBUF, T), jnp.int32),
         plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if rope_bf16 else None,
-        plgpu.SMEM((HB,), jnp.float32) if spec.has_sink else None,
-        plgpu.SMEM((2, ROPE_DIM), jnp.float32) if spec.mega else None,
+        # rows of 64: the sink's HB heads, cos / sin's ROPE_DIM dims
+        plgpu.SMEM((spec.row_consts, HB), jnp.float32) if spec.row_consts else None,
         plgpu.Barrier(num_arrivals=2 + spec.has_sink + spec.mega),  # q_bar: Q's halves, sink, cos / sin
         plgpu.Barrier(num_arrivals=1, num_barriers=NBUF),  # full: the memory warpgroup published a block
         plgpu.Barrier(num_arrivals=2, num_barriers=NBUF),  # free: both compute warpgroups released a buffer

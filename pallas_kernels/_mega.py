@@ -43,13 +43,14 @@ def rope_rows(positions, cos_sin_cache):
 
 
 def swap_pairs(x, interpret: bool):
-    """x f32 [64, 64] in the wgmma layout with each pair's two values exchanged."""
+    """x f32 [64, n] (n even) in the wgmma layout with each pair's two values exchanged."""
+    rows, n = x.shape
     if interpret:
-        return x.reshape(HB, ROPE_DIM // 2, 2)[..., ::-1].reshape(HB, ROPE_DIM)
+        return x.reshape(rows, n // 2, 2)[..., ::-1].reshape(rows, n)
     from jax._src.lib.mlir.dialects import vector
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=plgpu.ShapeDtypeStruct((HB, ROPE_DIM), jnp.float32, WGMMA))
+    @plgpu.inline_mgpu(arg_types=(WGMMA,), return_type=plgpu.ShapeDtypeStruct((rows, n), jnp.float32, WGMMA))
     def swap(ctx, a):
         del ctx
         regs = np.empty_like(a.registers)

@@ -25,6 +25,7 @@ D = kvc.LATENT_DIM
 HALF = D // 2  # latent dims per compute warpgroup
 NOPE = kvc.NOPE_DIM
 ROPE_DIM = kvc.ROPE_DIM  # the roped dims, the last of the latent (warpgroup 1's)
+assert ROPE_DIM == HB, "the constants buffer's rows hold a head group's sink or the RoPE dims' cos / sin"
 # the records the memory warpgroup dequantizes: every format with scale bytes
 QUANTIZED_FORMATS = tuple(f for f in kvc.KV_FORMATS if kvc.layout(f).scale_bytes)
 STAGE_PITCH = 656  # interpreter staging row pitch (>= every record's data bytes): 164 words, rows 4 banks apart
@@ -94,6 +95,12 @@ class KernelSpec:
         return self.mega and self.final
 
     @property
+    def row_consts(self) -> int:
+        """Rows of 64 f32 in the constants buffer: the sink (`has_sink`), then the mega ops' cos and signed sin
+        (`_mega.rope_rows`). One buffer, so that the sink and cos / sin take one 1 KiB alignment unit together."""
+        return self.has_sink + 2 * self.mega
+
+    @property
     def has_quantized(self) -> bool:
         return any(p.quantized for p in self.pools)
 
@@ -158,9 +165,7 @@ def smem_bytes(spec: KernelSpec, xbufs: int | None = None) -> int:
     total = al(HB * D * 2) + NBUF * al(T * D * 2) + al(NBUF * T * 4) + 1024  # Q, K, indices, barriers
     if spec.has_quantized:  # scale bytes
         total += al(T * 32)
-    if spec.has_sink:
-        total += al(HB * 4)
-    if spec.mega:  # the row's cos / sin
-        total += al(2 * 64 * 4)
+    if spec.row_consts:  # the sink and the row's cos / sin share one buffer
+        total += al(spec.row_consts * 64 * 4)
     total += (xbufs or spec.xbufs) * al(HB * T * 4)
     return total

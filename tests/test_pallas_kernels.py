@@ -326,11 +326,15 @@ def test_kernel_spec_checks_and_smem():
     mixed = KernelSpec(pools=(bf16, fp8), **base)
     # two exchange buffers fit beside a bf16 ring, not beside an fp8 one (its scale bytes)
     assert rows.xbufs == 2 and fp8_only.xbufs == mixed.xbufs == 1
+    # the mega ops' cos / sin share the sink's 1 KiB: a bf16 mega prefill with a sink keeps both exchange buffers
+    mega_rows = KernelSpec(pools=(bf16,), mega=True, **base)
+    assert mega_rows.row_consts == 3 and mega_rows.xbufs == 2 and smem_bytes(mega_rows) == smem_bytes(rows)
+    assert KernelSpec(pools=(bf16,), mega=True, **{**base, "has_sink": False}).row_consts == 2
     # setmaxnreg: the three warpgroups together never ask for more than the CTA's 504 registers
     assert rows.registers == (40, 232)
     assert fp8_only.registers == mixed.registers == (56, 224)
     for spec in (rows, fp8_only, mixed, KernelSpec(pools=(fp8,), **{**base, "has_sink": False}),
-                 KernelSpec(pools=(bf16,), f16=True, **base)):
+                 KernelSpec(pools=(bf16,), f16=True, **base), mega_rows):
         assert smem_bytes(spec) <= SMEM_LIMIT, (spec, smem_bytes(spec))
         assert spec.registers[0] + 2 * spec.registers[1] <= 504 and spec.registers[1] % 8 == 0
         build_kernel(spec)
