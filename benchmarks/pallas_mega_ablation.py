@@ -13,7 +13,8 @@ inverse rotation or Q's RoPE); the outputs of every variant but `default` are wr
 - `no_inverse_rope`: the stage without warpgroup 1's inverse RoPE;
 - `no_q_rope`: Q not roped in the kernel (the output stage kept);
 - `no_exponent`: every exponent 0 (no amax reduction);
-- `store_by_group`: the stage rotating and storing one 32-dim group at a time (a candidate: the same values).
+- `store_by_group`: the stage rotating and storing one 32-dim group at a time (a candidate: the same values);
+- `neither`: no output stage and no Q RoPE: what the mega spec costs by itself (its cos / sin copy and buffer).
 
 Cases are `benchmarks.mega_decode.MEGA_CASES` names; `--splits` forces the split count (default 1: the output stage
 runs in the kernel). Times are CUPTI sums of every kernel per call (`benchmarks.sparse_mla`'s timer), the median
@@ -101,9 +102,13 @@ def _store_by_group():
 
 def _no_exponent():
     """`kv_cache.ue8m0_exponent` as a constant 0 inside the kernel (no amax reduction kept live)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.numpy as jnp
 
-    return lambda amax: jnp.zeros(amax.shape, jnp.int32)
+    from pallas_kernels._spec import ROW
+
+    # a splat would carry no register layout for the scale stores: cast to the amax's own (a row vector)
+    return lambda amax: plgpu.layout_cast(jnp.zeros(amax.shape, jnp.int32), ROW)
 
 
 # variant -> {(module, attribute): replacement factory}
@@ -116,6 +121,8 @@ VARIANTS = {
     "no_q_rope": {("_compute", "rope_q"): lambda: (lambda prog: None)},
     "no_exponent": {("dsv41_jax.kv_cache", "ue8m0_exponent"): _no_exponent},
     "store_by_group": {("_compute", "store_mega_out"): _store_by_group},
+    "neither": {("_compute", "store_mega_out"): lambda: (lambda prog, w, res: None),
+                ("_compute", "rope_q"): lambda: (lambda prog: None)},
 }
 
 
