@@ -79,6 +79,9 @@ class Scratch:
     rope: Any  # interpreter, fp8_ds_mla pools: the RoPE bytes of a block as bf16 [64, 128]
     ibar_idx: Any  # interpreter: the gather's barriers (sources; one arrival per copy)
     ibar: Any
+    # the mega output: warpgroup w's e4m3 half [64, 256] staged in its own Q half's bytes (`out_stage.at[w, 0]`)
+    # for one bulk copy out
+    out_stage: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +157,11 @@ def _scratch(spec: KernelSpec, refs) -> Scratch:
     """`Scratch` from the allocated refs (`_scratch_types`' order): the sink and cos / sin are views of the one
     constants buffer."""
     refs = list(refs)
+    q, out_stage = refs[0] if spec.mega_out else (refs[0], None)
     consts = refs[6]
     sink = consts.at[0] if spec.has_sink else None
     cs = consts.at[pl.ds(int(spec.has_sink), 2)] if spec.mega else None
-    return Scratch(*refs[:6], sink, cs, *refs[7:])
+    return Scratch(q, *refs[1:6], sink, cs, *refs[7:], out_stage=out_stage)
 
 
 def _scratch_types(spec: KernelSpec) -> tuple:
@@ -171,8 +175,13 @@ def _scratch_types(spec: KernelSpec) -> tuple:
         scales = plgpu.SMEM((T, spec.scale_pitch), jnp.uint8)
     else:
         scales = plgpu.SMEM((SCALE_GROUPS, T), jnp.float32)
+    q = plgpu.SMEM((2, HB, HALF), spec.dtype, transforms=(TILE, SWIZZLE))
+    if spec.mega_out:
+        # Q's bytes twice over as e4m3 [2, 2, 64, 256]: [w, 0] lies inside Q's half w, which only warpgroup w
+        # reads, so each warpgroup stages its output once its own last wgmma has read its Q
+        q = plgpu.RefUnion(q, plgpu.SMEM((2, 2, HB, HALF), jnp.float8_e4m3fn))
     return (
-        plgpu.SMEM((2, HB, HALF), spec.dtype, transforms=(TILE, SWIZZLE)),
+        q,
         plgpu.SMEM((NBUF, 2, T, HALF), spec.dtype, transforms=(TILE, SWIZZLE)),
         plgpu.SMEM((T, STAGE_PITCH), jnp.uint8) if quant and interpret else None,
         scales,
