@@ -9,7 +9,8 @@ inverse rotation or Q's RoPE); the outputs of every variant but `default` are wr
 
 - `default`: the kernel as it is;
 - `no_stage`: no output stage (only lse is stored): the kernel's cost without the stage;
-- `no_scale_store` / `no_value_store`: the stage without storing the exponents / the e4m3 values;
+- `no_scale_store` / `no_value_store`: the stage without storing the exponents / without the e4m3 values' bulk
+  copy out (their SMEM staging kept);
 - `no_inverse_rope`: the stage without warpgroup 1's inverse RoPE;
 - `no_q_rope`: Q not roped in the kernel (the output stage kept);
 - `no_exponent`: every exponent 0 (no amax reduction);
@@ -58,6 +59,19 @@ def _without(field: str):
         return dataclasses.replace(prog, **{field: _Discard()}) if spec.mega_out else prog
 
     return patched_program
+
+
+def _copies_skipping_discarded():
+    """`_mega`'s `plgpu` whose bulk copies into a `_Discard` (see `_without`) are dropped."""
+    import types
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def copy_smem_to_gmem(src, dst, *args, **kwargs):
+        if not isinstance(dst, _Discard):
+            plgpu.copy_smem_to_gmem(src, dst, *args, **kwargs)
+
+    return types.SimpleNamespace(**{**vars(plgpu), "copy_smem_to_gmem": copy_smem_to_gmem})
 
 
 def _no_inverse_rope():
@@ -122,7 +136,8 @@ VARIANTS = {
     "default": {},
     "no_stage": {("_compute", "store_mega_out"): lambda: (lambda prog, w, res: None)},
     "no_scale_store": {("_kernel", "_program"): lambda: _without("scale")},
-    "no_value_store": {("_kernel", "_program"): lambda: _without("out")},
+    "no_value_store": {("_kernel", "_program"): lambda: _without("out"),
+                       ("_mega", "plgpu"): _copies_skipping_discarded},
     "no_inverse_rope": {("_mega", "_rotate"): _no_inverse_rope},
     "no_q_rope": {("_compute", "rope_q"): lambda: (lambda prog: None)},
     "no_exponent": {("_mega", "kvc"): _no_exponent},

@@ -82,7 +82,8 @@ def rope_q(prog: Program):
 
 def store_mega_out(prog: Program, w: int, res):
     """Warpgroup w's half of the final O (f32 [64, 256], normalized): inverse RoPE (warpgroup 1), then per
-    32 dims the exponent and the e4m3 values x 2^-e, stored with the exponents."""
+    32 dims the exponent (stored) and the e4m3 values x 2^-e, staged in SMEM (`Scratch.out_stage`) and stored
+    with one bulk copy."""
     row, h0 = prog.row, prog.h0
     if w == 1:
         rot = _rotate(prog, res[:, HALF - ROPE_DIM:], -1.0)
