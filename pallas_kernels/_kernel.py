@@ -179,6 +179,7 @@ def _scratch_types(spec: KernelSpec) -> tuple:
     if spec.mega_out:
         # Q's bytes twice over as e4m3 [2, 2, 64, 256]: [w, 0] lies inside Q's half w, which only warpgroup w
         # reads, so each warpgroup stages its output once its own last wgmma has read its Q
+        assert jnp.dtype(spec.dtype).itemsize == 2, "the e4m3 view's [w, 0] must lie inside Q's half w"
         q = plgpu.RefUnion(q, plgpu.SMEM((2, 2, HB, HALF), jnp.float8_e4m3fn))
     return (
         q,
