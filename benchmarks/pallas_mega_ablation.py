@@ -14,7 +14,6 @@ inverse rotation or Q's RoPE); the outputs of every variant but `default` are wr
 - `no_inverse_rope`: the stage without warpgroup 1's inverse RoPE;
 - `no_q_rope`: Q not roped in the kernel (the output stage kept);
 - `no_exponent`: every exponent 0 (no amax reduction);
-- `store_by_group`: the stage rotating and storing one 32-dim group at a time (a candidate: the same values);
 - `neither`: no output stage and no Q RoPE: what the mega spec costs by itself (its cos / sin copy and buffer).
 
 Cases are `benchmarks.mega_decode.MEGA_CASES` names; `--splits` forces the split count (default 1: the output stage
@@ -81,39 +80,6 @@ def _no_inverse_rope():
     return lambda prog, x, sign: x if sign < 0 else rotate(prog, x, sign)
 
 
-def _store_by_group():
-    """`_mega.store_mega_out` rotating and storing one 32-dim group at a time (fewer live registers: a group's
-    cos / sin and its rotated values, not the whole 64 dims'); the same values as the kernel's."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    import jax.numpy as jnp
-    from jax import lax
-
-    from dsv41_jax import kv_cache as kvc
-    from pallas_kernels import _mega
-    from pallas_kernels._spec import COL, HALF, HB, OUT_GROUP, ROPE_DIM
-
-    def store(prog, w, res):
-        groups = HALF // OUT_GROUP
-        for g in range(groups):
-            x = res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP]
-            d0 = g * OUT_GROUP - (HALF - ROPE_DIM)
-            if w == 1 and d0 >= 0:
-                cosd = lax.broadcast_in_dim(plgpu.load(prog.s.cs.at[0, pl.ds(d0, OUT_GROUP)], layout=COL),
-                                            (HB, OUT_GROUP), [1])
-                sind = lax.broadcast_in_dim(plgpu.load(prog.s.cs.at[1, pl.ds(d0, OUT_GROUP)], layout=COL),
-                                            (HB, OUT_GROUP), [1])
-                x = x * cosd - _mega.swap_pairs(x, prog.spec.interpret) * sind
-            e = kvc.ue8m0_exponent(jnp.abs(x).max(axis=1))
-            inv = lax.bitcast_convert_type((127 - e) << 23, jnp.float32)
-            v = jnp.clip(x * lax.broadcast_in_dim(inv, (HB, OUT_GROUP), [0]), -448.0, 448.0)
-            prog.out.at[prog.row, pl.ds(prog.h0, HB), pl.ds(w * HALF + g * OUT_GROUP, OUT_GROUP)][...] = v.astype(
-                jnp.float8_e4m3fn)
-            prog.scale.at[prog.row, pl.ds(prog.h0, HB), w * groups + g][...] = (e + 127).astype(jnp.uint8)
-
-    return store
-
-
 def _no_exponent():
     """`_mega`'s `kv_cache` with `ue8m0_exponent` a constant 0 (no amax reduction kept live); the caches'
     quantiser, outside the kernel, keeps the real rule."""
@@ -141,7 +107,6 @@ VARIANTS = {
     "no_inverse_rope": {("_mega", "_rotate"): _no_inverse_rope},
     "no_q_rope": {("_compute", "rope_q"): lambda: (lambda prog: None)},
     "no_exponent": {("_mega", "kvc"): _no_exponent},
-    "store_by_group": {("_compute", "store_mega_out"): _store_by_group},
     "neither": {("_compute", "store_mega_out"): lambda: (lambda prog, w, res: None),
                 ("_compute", "rope_q"): lambda: (lambda prog: None)},
 }

@@ -166,6 +166,6 @@ def smem_bytes(spec: KernelSpec, xbufs: int | None = None) -> int:
     if spec.has_quantized:  # scale bytes
         total += al(T * 32)
     if spec.row_consts:  # the sink and the row's cos / sin share one buffer
-        total += al(spec.row_consts * 64 * 4)
+        total += al(spec.row_consts * HB * 4)
     total += (xbufs or spec.xbufs) * al(HB * T * 4)
     return total
