@@ -14,6 +14,7 @@ inverse rotation or Q's RoPE); the outputs of every variant but `default` are wr
 - `no_inverse_rope`: the stage without warpgroup 1's inverse RoPE;
 - `no_q_rope`: Q not roped in the kernel (the output stage kept);
 - `no_exponent`: every exponent 0 (no amax reduction);
+- `unswizzled_stage`: the e4m3 staging view without its tiles and swizzle (`OUT_STAGE_TRANSFORMS`);
 - `neither`: no output stage and no Q RoPE: what the mega spec costs by itself (its cos / sin copy and buffer).
 
 Cases are `benchmarks.mega_decode.MEGA_CASES` names; `--splits` forces the split count (default 1: the output stage
@@ -107,6 +108,8 @@ VARIANTS = {
     "no_inverse_rope": {("_mega", "_rotate"): _no_inverse_rope},
     "no_q_rope": {("_compute", "rope_q"): lambda: (lambda prog: None)},
     "no_exponent": {("_mega", "kvc"): _no_exponent},
+    # the e4m3 staging view without its tiles and swizzle: a warp's two-byte stores hit one bank pair 8 ways
+    "unswizzled_stage": {("_kernel", "OUT_STAGE_TRANSFORMS"): lambda: ()},
     "neither": {("_compute", "store_mega_out"): lambda: (lambda prog, w, res: None),
                 ("_compute", "rope_q"): lambda: (lambda prog: None)},
 }

@@ -50,8 +50,8 @@ from jax import lax
 
 from pallas_kernels._compute import compute_warpgroup
 from pallas_kernels._memory import memory_warpgroup
-from pallas_kernels._spec import (D, HALF, HB, NBUF, OUT_GROUP, SCALE_GROUPS, SMEM_LIMIT, STAGE_PITCH,
-                                  SWIZZLE, TILE, KernelSpec, T, smem_bytes)
+from pallas_kernels._spec import (D, HALF, HB, NBUF, OUT_GROUP, OUT_STAGE_TRANSFORMS, OUT_WORD, SCALE_GROUPS,
+                                  SMEM_LIMIT, STAGE_PITCH, SWIZZLE, TILE, KernelSpec, T, smem_bytes)
 
 __all__ = ["build_kernel", "Program", "Scratch"]
 
@@ -96,7 +96,7 @@ class Program:
     out: Any
     lse: Any
     mx: Any  # max_logits (None for the mega output)
-    scale: Any  # the mega output's exponents uint8 [R, Hp, 16] (else None)
+    scale: Any  # the mega output's exponent bytes, four per word: uint32 [R, Hp, 4] (else None)
     s: Scratch
     row: Any
     split: Any
@@ -180,7 +180,7 @@ def _scratch_types(spec: KernelSpec) -> tuple:
         # Q's bytes twice over as e4m3 [2, 2, 64, 256]: [w, 0] lies inside Q's half w, which only warpgroup w
         # reads, so each warpgroup stages its output once its own last wgmma has read its Q
         assert jnp.dtype(spec.dtype).itemsize == 2, "the e4m3 view's [w, 0] must lie inside Q's half w"
-        q = plgpu.RefUnion(q, plgpu.SMEM((2, 2, HB, HALF), jnp.float8_e4m3fn))
+        q = plgpu.RefUnion(q, plgpu.SMEM((2, 2, HB, HALF), jnp.float8_e4m3fn, transforms=OUT_STAGE_TRANSFORMS))
     return (
         q,
         plgpu.SMEM((NBUF, 2, T, HALF), spec.dtype, transforms=(TILE, SWIZZLE)),
@@ -210,7 +210,7 @@ def _out_types(spec: KernelSpec) -> tuple:
     if spec.mega_out:
         return (jax.ShapeDtypeStruct((R, Hp, D), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((R, Hp), jnp.float32),
-                jax.ShapeDtypeStruct((R, Hp, D // OUT_GROUP), jnp.uint8))
+                jax.ShapeDtypeStruct((R, Hp, D // OUT_GROUP // OUT_WORD), jnp.uint32))
     if spec.final:
         return (jax.ShapeDtypeStruct((R, Hp, D), jnp.bfloat16),
                 jax.ShapeDtypeStruct((R, Hp), jnp.float32),
@@ -232,8 +232,9 @@ def build_kernel(spec: KernelSpec):
     [R, kpad / 64, SCALE_GROUPS, 64] (per block, scale group and token: the factor of the entry's scale
     byte, 0 when masked; `ops.pool_operands`). Final mode returns out bf16 [R, Hp, 512], lse f32
     [R, Hp], max_logits f32 [R, Hp]; split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp]. The mega
-    output (`spec.mega`, one split) is out e4m3 [R, Hp, 512], lse f32 [R, Hp] and the UE8M0 exponents uint8
-    [R, Hp, 16] (inverse-roped O x 2^-e per 32 dims).
+    output (`spec.mega`, one split) is out e4m3 [R, Hp, 512], lse f32 [R, Hp] and the UE8M0 exponents as
+    uint32 [R, Hp, 4], four bytes per word with the lowest dims' first (inverse-roped O x 2^-e per 32 dims; the
+    bytes of `ops` bitcast them to [R, Hp, 16]).
     """
     if smem_bytes(spec) > SMEM_LIMIT:
         raise ValueError(f"kernel needs {smem_bytes(spec)} B of SMEM (> {SMEM_LIMIT})")

@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from dsv41_jax import kv_cache as kvc
-from pallas_kernels._spec import COL, HALF, HB, OUT_GROUP, ROPE_DIM
+from pallas_kernels._spec import COL, HALF, HB, OUT_GROUP, OUT_WORD, ROPE_DIM
 
 if TYPE_CHECKING:
     from pallas_kernels._kernel import Program
@@ -82,8 +82,9 @@ def rope_q(prog: Program):
 
 def store_mega_out(prog: Program, w: int, res):
     """Warpgroup w's half of the final O (f32 [64, 256], normalized): inverse RoPE (warpgroup 1), then per
-    32 dims the exponent (stored) and the e4m3 values x 2^-e, staged in SMEM (`Scratch.out_stage`) and stored
-    with one bulk copy."""
+    32 dims the exponent and the e4m3 values x 2^-e. The values are staged in SMEM (`Scratch.out_stage`, one
+    swizzled tile column per group) and stored with one bulk copy; the exponents go out as uint32 words of four
+    bytes, two per row."""
     row, h0 = prog.row, prog.h0
     if w == 1:
         rot = _rotate(prog, res[:, HALF - ROPE_DIM:], -1.0)
@@ -91,14 +92,20 @@ def store_mega_out(prog: Program, w: int, res):
         pieces += [rot[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(ROPE_DIM // OUT_GROUP)]
     else:
         pieces = [res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(HALF // OUT_GROUP)]
-    groups = HALF // OUT_GROUP
+    words = HALF // OUT_GROUP // OUT_WORD
     stage = prog.s.out_stage.at[w, 0]
+    word = None
     for g, x in enumerate(pieces):
         e = kvc.ue8m0_exponent(jnp.abs(x).max(axis=1))
         inv = lax.bitcast_convert_type((127 - e) << 23, jnp.float32)  # 2^-e, a normal f32
         v = jnp.clip(x * lax.broadcast_in_dim(inv, (HB, OUT_GROUP), [0]), -448.0, 448.0)
         stage.at[:, pl.ds(g * OUT_GROUP, OUT_GROUP)][...] = v.astype(jnp.float8_e4m3fn)
-        prog.scale.at[row, pl.ds(h0, HB), w * groups + g][...] = (e + 127).astype(jnp.uint8)
+        byte = (e + 127) << (8 * (g % OUT_WORD))
+        word = byte if g % OUT_WORD == 0 else word | byte
+        if g % OUT_WORD == OUT_WORD - 1:
+            # one four-byte store per row instead of four one-byte ones
+            prog.scale.at[row, pl.ds(h0, HB), w * words + g // OUT_WORD][...] = lax.bitcast_convert_type(
+                word, jnp.uint32)
     # one bulk copy of the half: register stores of two e4m3 bytes each, 8 bytes per row and warp, cost the
     # kernel a quarter of its time (benchmarks/RESULTS.md)
     plgpu.commit_smem()

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from dsv41_jax import kv_cache as kvc
 
 __all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "scale_offsets_mode", "T", "HB", "D", "HALF", "NOPE",
-           "ROPE_DIM", "STAGE_PITCH", "SCALE_GROUPS", "OUT_GROUP", "LOG2E", "LN2", "REG_BUDGET", "SMEM_LIMIT", "NBUF",
-           "TILE", "SWIZZLE", "ROW", "COL", "QUANTIZED_FORMATS"]
+           "ROPE_DIM", "STAGE_PITCH", "SCALE_GROUPS", "OUT_GROUP", "OUT_WORD", "LOG2E", "LN2", "REG_BUDGET",
+           "SMEM_LIMIT", "NBUF",
+           "TILE", "SWIZZLE", "OUT_STAGE_TRANSFORMS", "ROW", "COL", "QUANTIZED_FORMATS"]
 
 T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
 HB = 64  # heads per program (the wgmma M)
@@ -31,6 +32,7 @@ QUANTIZED_FORMATS = tuple(f for f in kvc.KV_FORMATS if kvc.layout(f).scale_bytes
 STAGE_PITCH = 656  # interpreter staging row pitch (>= every record's data bytes): 164 words, rows 4 banks apart
 SCALE_GROUPS = 32  # interpreter scale factor rows per token: the most scales a record has (nvfp4_ds_mla)
 OUT_GROUP = 32  # mega output dims per UE8M0 exponent (the reference's `quantize_output_fp8` group)
+OUT_WORD = 4  # the mega output's exponent bytes per stored uint32 word
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 REG_BUDGET = 504  # registers per (memory, compute, compute) thread triple: 65536 // 384 rounded to 8, x 3
@@ -39,6 +41,9 @@ NBUF = 2  # K tiles in the gather ring: block n + 1 lands while block n is consu
 
 TILE = plgpu.TilingTransform((8, 64))
 SWIZZLE = plgpu.SwizzleTransform(128)
+# the mega output's e4m3 staging view: one tile column per exponent group, swizzled so that a warp's two-byte stores
+# (eight rows, one group) fall in distinct banks
+OUT_STAGE_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(32))
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [64, n] wgmma-layout tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 

@@ -270,8 +270,9 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False, rope=None):
         args.extend(ops)
     with _interpret.kernel_context():
         out, lse, mx = _kernel_fn(spec)(*args)
-    if spec.mega_out:  # mx holds the exponents
-        return out[:, :h], mx[:, :h], lse[:, :h]
+    if spec.mega_out:  # mx holds the exponents, four bytes per uint32 word (little-endian: the lowest dims first)
+        scale = jax.lax.bitcast_convert_type(mx[:, :h], jnp.uint8).reshape(R, h, -1)
+        return out[:, :h], scale, lse[:, :h]
     if rope is not None:
         out, lse, _ = combine_splits(out, lse, mx, sink_p)
         return mega_finish(out[:, :h], rope[0], rope[1], lse[:, :h])
