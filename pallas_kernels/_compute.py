@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 __all__ = ["compute_warpgroup", "exchange_scores", "softmax_step", "epilogue"]
 
 
-def exchange_scores(prog: Program, w: int, s_own, n):
-    """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's. Both sum S_0 + S_1
-    in that order, so both hold bitwise-identical scores.
+def exchange_scores(prog: Program, w, s_own, n):
+    """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's (w: the traced warpgroup
+    index). Both hold bitwise-identical scores: each adds the other's partial to its own, and f32 addition
+    commutes.
 
     Two buffers (`spec.xbufs`): both post their partial at once (x_post), read the other's and
     release the buffers (x_read), which the next block waits for before posting. One buffer (fp8
@@ -38,16 +39,25 @@ def exchange_scores(prog: Program, w: int, s_own, n):
     (x_read), wg 0 takes that."""
     s = prog.s
     if prog.spec.xbufs == 1:
-        if w == 0:
+        @pl.when(w == 0)
+        def _post():
             s.x.at[0][...] = s_own
             plgpu.barrier_arrive(s.x_post)
             plgpu.barrier_wait(s.x_read)
-            return s_own + plgpu.load(s.x.at[0], layout=plgpu.Layout.WGMMA)
-        plgpu.barrier_wait(s.x_post)
+
+        @pl.when(w == 1)
+        def _take():
+            plgpu.barrier_wait(s.x_post)
+
+        # wg 0 reads wg 1's partial, wg 1 wg 0's; each thread overwrites only the elements it has just read
         s_peer = plgpu.load(s.x.at[0], layout=plgpu.Layout.WGMMA)
-        s.x.at[0][...] = s_own
-        plgpu.barrier_arrive(s.x_read)
-        return s_peer + s_own
+
+        @pl.when(w == 1)
+        def _reply():
+            s.x.at[0][...] = s_own
+            plgpu.barrier_arrive(s.x_read)
+
+        return s_own + s_peer
 
     @pl.when(n > 0)
     def _():
@@ -58,7 +68,7 @@ def exchange_scores(prog: Program, w: int, s_own, n):
     plgpu.barrier_wait(s.x_post)
     s_peer = plgpu.load(s.x.at[1 - w], layout=plgpu.Layout.WGMMA)
     plgpu.barrier_arrive(s.x_read)
-    return s_own + s_peer if w == 0 else s_peer + s_own
+    return s_own + s_peer  # f32 addition commutes: both warpgroups hold the same bits
 
 
 def softmax_step(prog: Program, s, idx_col, m, l, o):
@@ -150,28 +160,37 @@ def epilogue(prog: Program, w: int, o, m, l, sink):
     res = o * lax.broadcast_in_dim(inv, (HB, HALF), [0])
     if spec.mega_out:
         store_mega_out(prog, w, res)
-        if w == 0:
+
+        @pl.when(w == 0)
+        def _lse():
             prog.lse.at[row, pl.ds(h0, HB)][...] = lse
     elif spec.final:
         prog.out.at[row, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res.astype(jnp.bfloat16)
-        if w == 0:
+
+        @pl.when(w == 0)
+        def _stats():
             prog.lse.at[row, pl.ds(h0, HB)][...] = lse
             prog.mx.at[row, pl.ds(h0, HB)][...] = mx
     else:
         prog.out.at[row, split, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res
-        if w == 0:
+
+        @pl.when(w == 0)
+        def _stats():
             prog.lse.at[row, split, pl.ds(h0, HB)][...] = lse
             prog.mx.at[row, split, pl.ds(h0, HB)][...] = mx
 
 
-def compute_warpgroup(prog: Program, w: int):
-    """Compute warpgroup w's whole program."""
+def compute_warpgroup(prog: Program, w):
+    """Compute warpgroup w's whole program (w traced: both warpgroups run one copy of this code)."""
     spec, s = prog.spec, prog.s
     plgpu.set_max_registers(spec.registers[1], action="increase")
     plgpu.barrier_wait(s.q_bar)
-    if spec.mega and w == 1:  # the RoPE dims are this warpgroup's
-        rope_q(prog)
-        plgpu.commit_smem()
+    if spec.mega:
+        @pl.when(w == 1)  # the RoPE dims are this warpgroup's
+        def _rope():
+            rope_q(prog)
+            plgpu.commit_smem()
+
     if spec.f16:  # Q arrived as bf16 bits: rewrite the half this warpgroup contracts
         q_to_f16(s.q, w, spec.interpret)
         plgpu.commit_smem()
@@ -180,10 +199,10 @@ def compute_warpgroup(prog: Program, w: int):
     o = plgpu.layout_cast(jnp.zeros((HB, HALF), jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((HB,), -jnp.inf, jnp.float32), ROW)
     l = plgpu.layout_cast(jnp.zeros((HB,), jnp.float32), ROW)
-    n = jnp.int32(0)
-    for p in range(len(spec.pools)):
-        n, o, m, l = lax.fori_loop(prog.ranges[p][0], prog.ranges[p][1],
-                                   lambda j, carry: _block(prog, w, carry), (n, o, m, l))
+    # the blocks of every pool in one loop: a block's work does not depend on its pool (the memory warpgroup
+    # publishes them in the same order)
+    blocks = sum(hi - lo for lo, hi in prog.ranges)
+    n, o, m, l = lax.fori_loop(0, blocks, lambda j, carry: _block(prog, w, carry), (jnp.int32(0), o, m, l))
 
     if spec.xbufs == 2:
         @pl.when(n > 0)

@@ -247,13 +247,11 @@ def build_kernel(spec: KernelSpec):
         def _memory():
             memory_warpgroup(prog)
 
-        @pl.when(wg == 0)
-        def _c0():
-            compute_warpgroup(prog, 0)
-
-        @pl.when(wg == 1)
-        def _c1():
-            compute_warpgroup(prog, 1)
+        # one copy of the compute code for both warpgroups (w traced): two copies of the block loop and the
+        # epilogue miss in the instruction cache (benchmarks/RESULTS.md, thirty-first session)
+        @pl.when(wg < 2)
+        def _compute():
+            compute_warpgroup(prog, wg)
 
     return plgpu.kernel(
         sparse_mla_kernel,

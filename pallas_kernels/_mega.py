@@ -86,12 +86,10 @@ def store_mega_out(prog: Program, w: int, res):
     swizzled tile column per group) and stored with one bulk copy; the exponents go out as uint32 words of four
     bytes, two per row."""
     row, h0 = prog.row, prog.h0
-    if w == 1:
-        rot = _rotate(prog, res[:, HALF - ROPE_DIM:], -1.0)
-        pieces = [res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range((HALF - ROPE_DIM) // OUT_GROUP)]
-        pieces += [rot[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(ROPE_DIM // OUT_GROUP)]
-    else:
-        pieces = [res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(HALF // OUT_GROUP)]
+    tail = res[:, HALF - ROPE_DIM:]
+    tail = jnp.where(w == 1, _rotate(prog, tail, -1.0), tail)  # w traced: warpgroup 1 holds the RoPE dims
+    pieces = [res[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range((HALF - ROPE_DIM) // OUT_GROUP)]
+    pieces += [tail[:, g * OUT_GROUP:(g + 1) * OUT_GROUP] for g in range(ROPE_DIM // OUT_GROUP)]
     words = HALF // OUT_GROUP // OUT_WORD
     stage = prog.s.out_stage.at[w, 0]
     word = None
