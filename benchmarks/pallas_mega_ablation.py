@@ -1,5 +1,5 @@
-"""What the pallas mega decode's stages cost: the mega decode with parts of its in-kernel stages removed, against the
-plain decode, on the same inputs (needs a CUDA GPU; experiments, not recorded as results).
+"""What the pallas mega ops' stages cost: the mega decode or prefill with parts of its in-kernel stages removed,
+against the plain op, on the same inputs (needs a CUDA GPU; experiments, not recorded as results).
 
     PYTHONPATH=. python3 -m benchmarks.pallas_mega_ablation [--cases mega_v41_h64_t512,mega_v41_h64_t128]
                                                             [--variants default,no_stage,...] [--splits 1]
@@ -15,11 +15,13 @@ inverse rotation or Q's RoPE); the outputs of every variant but `default` are wr
 - `no_q_rope`: Q not roped in the kernel (the output stage kept);
 - `no_exponent`: every exponent 0 (no amax reduction);
 - `unswizzled_stage`: the e4m3 staging view without its tiles and swizzle (`OUT_STAGE_TRANSFORMS`);
+- `register_out`: the plain kernels' bf16 output stored from registers instead of staged (`store_final_out`): it
+  changes the plain column, not the mega one;
 - `neither`: no output stage and no Q RoPE: what the mega spec costs by itself (its cos / sin copy and buffer).
 
-Cases are `benchmarks.mega_decode.MEGA_CASES` names; `--splits` forces the split count (default 1: the output stage
-runs in the kernel). Times are CUPTI sums of every kernel per call (`benchmarks.sparse_mla`'s timer), the median
-over `--iterations` calls of one input draw.
+Cases are `benchmarks.mega_decode.MEGA_CASES` or `benchmarks.mega_prefill.MEGA_PREFILL_CASES` names; `--splits`
+forces the split count (default 1: the output stage runs in the kernel). Times are CUPTI sums of every kernel per
+call (`benchmarks.sparse_mla`'s timer), the median over `--iterations` calls of one input draw.
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ def _no_exponent():
     return kvc
 
 
+def _register_final_out():
+    """`_compute.store_final_out` storing the bf16 O half from registers into global memory (no SMEM staging)."""
+    import jax.experimental.pallas as pl
+    import jax.numpy as jnp
+
+    from pallas_kernels._spec import HALF, HB
+
+    def store(prog, w, res):
+        prog.out.at[prog.row, pl.ds(prog.h0, HB), pl.ds(w * HALF, HALF)][...] = res.astype(jnp.bfloat16)
+
+    return store
+
+
 # variant -> {(module, attribute): replacement factory}
 VARIANTS = {
     "default": {},
@@ -110,6 +125,8 @@ VARIANTS = {
     "no_exponent": {("_mega", "kvc"): _no_exponent},
     # the e4m3 staging view without its tiles and swizzle: a warp's two-byte stores hit one bank pair 8 ways
     "unswizzled_stage": {("_kernel", "OUT_STAGE_TRANSFORMS"): lambda: ()},
+    # the plain kernels' one-split bf16 output stored from registers (the mega kernel is unchanged)
+    "register_out": {("_compute", "store_final_out"): _register_final_out},
     "neither": {("_compute", "store_mega_out"): lambda: (lambda prog, w, res: None),
                 ("_compute", "rope_q"): lambda: (lambda prog: None)},
 }
@@ -153,6 +170,7 @@ def main(argv=None) -> int:
         return 2
     import pallas_kernels
     from benchmarks.mega_decode import MEGA_CASES, run_mega_case
+    from benchmarks.mega_prefill import MEGA_PREFILL_CASES, run_mega_prefill_case
     from benchmarks.sparse_mla import _timer
 
     variants = args.variants.split(",")
@@ -161,14 +179,16 @@ def main(argv=None) -> int:
         print(f"unknown variants {unknown}; known: {list(VARIANTS)}", file=sys.stderr)
         return 2
     timer, _ = _timer("auto")
-    by_name = {c.name: c for c in MEGA_CASES}
+    by_name = {c.name: c for c in (*MEGA_CASES, *MEGA_PREFILL_CASES)}
+    runner = {**{c.name: run_mega_case for c in MEGA_CASES},
+              **{c.name: run_mega_prefill_case for c in MEGA_PREFILL_CASES}}
     for name in args.cases.split(","):
         if name not in by_name:
             print(f"unknown case {name!r}; known: {list(by_name)}", file=sys.stderr)
             return 2
         for v in variants:
             with patched(v), pallas_kernels.num_splits_override(args.splits):
-                r = run_mega_case(by_name[name], "pallas", timer, 1, args.iterations)
+                r = runner[name](by_name[name], "pallas", timer, 1, args.iterations)
             print(f"{name:22s} splits={args.splits} {v:16s} mega {r['mega_us']:8.1f} us  "
                   f"plain {r['plain_us']:8.1f} us  (mega / plain {r['mega_over_plain']:.3f})", flush=True)
     return 0

@@ -25,7 +25,7 @@ from pallas_kernels._spec import COL, HALF, HB, LN2, LOG2E, NBUF, ROW, T
 if TYPE_CHECKING:
     from pallas_kernels._kernel import Program
 
-__all__ = ["compute_warpgroup", "exchange_scores", "softmax_step", "epilogue"]
+__all__ = ["compute_warpgroup", "exchange_scores", "softmax_step", "epilogue", "store_final_out"]
 
 
 def exchange_scores(prog: Program, w, s_own, n):
@@ -90,7 +90,7 @@ def softmax_step(prog: Program, s, idx_col, m, l, o):
     return p_hi, p_lo, o, m_new, l
 
 
-def _stage_p(prog: Program, w: int, p_hi, p_lo):
+def _stage_p(prog: Program, w, p_hi, p_lo):
     """Interpreter: wgmma A operands come from SMEM only, so P is staged there."""
     a = prog.s.p
     a.at[w, 0][...] = p_hi
@@ -100,7 +100,7 @@ def _stage_p(prog: Program, w: int, p_hi, p_lo):
     return a.at[w, 0], (a.at[w, 1] if p_lo is not None else None)
 
 
-def _pv(prog: Program, w: int, kb, p_hi, p_lo, o):
+def _pv(prog: Program, w, kb, p_hi, p_lo, o):
     """O_w + P V_w. The GPU accumulates onto O in the wgmma accumulator; the interpreter cannot
     store into an accumulator, so it adds P V to O afterwards."""
     if prog.spec.interpret:
@@ -124,7 +124,7 @@ def _pv(prog: Program, w: int, kb, p_hi, p_lo, o):
     return pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
 
 
-def _block(prog: Program, w: int, carry):
+def _block(prog: Program, w, carry):
     """One 64-token block: wait for its buffer, S, softmax, P V, release the buffer."""
     s = prog.s
     n, o, m, l = carry
@@ -144,9 +144,21 @@ def _block(prog: Program, w: int, carry):
     return n + 1, o, m_new, l
 
 
-def epilogue(prog: Program, w: int, o, m, l, sink):
-    """O / l (with the sink in the denominator when final), lse and max_logits, stored from registers (the mega
-    output: O as e4m3 with its exponents, and lse)."""
+def store_final_out(prog: Program, w, res):
+    """Warpgroup w's bf16 half of the final O, staged in its own Q half's SMEM (`Scratch.out_stage`) and stored with
+    one bulk copy, as the mega output is: register stores of a wgmma-layout tile write 4 bytes in each of 8 rows
+    per warp instruction."""
+    stage = prog.s.out_stage.at[w]
+    stage[...] = res.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, prog.out.at[prog.row, pl.ds(prog.h0, HB), pl.ds(w * HALF, HALF)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA may exit once its SMEM is read
+
+
+def epilogue(prog: Program, w, o, m, l, sink):
+    """O / l (with the sink in the denominator when final), lse and max_logits. One split: O staged and bulk-copied
+    (`store_final_out`; the mega output: O as e4m3 with its exponents, `_mega.store_mega_out`); several: the f32
+    partials stored from registers."""
     spec, row, split, h0 = prog.spec, prog.row, prog.split, prog.h0
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
@@ -165,7 +177,7 @@ def epilogue(prog: Program, w: int, o, m, l, sink):
         def _lse():
             prog.lse.at[row, pl.ds(h0, HB)][...] = lse
     elif spec.final:
-        prog.out.at[row, pl.ds(h0, HB), pl.ds(w * HALF, HALF)][...] = res.astype(jnp.bfloat16)
+        store_final_out(prog, w, res)
 
         @pl.when(w == 0)
         def _stats():

@@ -79,8 +79,8 @@ class Scratch:
     rope: Any  # interpreter, fp8_ds_mla pools: the RoPE bytes of a block as bf16 [64, 128]
     ibar_idx: Any  # interpreter: the gather's barriers (sources; one arrival per copy)
     ibar: Any
-    # the mega output: warpgroup w's e4m3 half [64, 256] staged in its own Q half's bytes (`out_stage.at[w, 0]`)
-    # for one bulk copy out
+    # one split: warpgroup w's output half [64, 256] staged in its own Q half's bytes for one bulk copy out, bf16
+    # (`out_stage.at[w]`) or the mega output's e4m3 (`out_stage.at[w, 0]`)
     out_stage: Any = None
 
 
@@ -157,7 +157,7 @@ def _scratch(spec: KernelSpec, refs) -> Scratch:
     """`Scratch` from the allocated refs (`_scratch_types`' order): the sink and cos / sin are views of the one
     constants buffer."""
     refs = list(refs)
-    q, out_stage = refs[0] if spec.mega_out else (refs[0], None)
+    q, out_stage = refs[0] if spec.final else (refs[0], None)
     consts = refs[6]
     sink = consts.at[0] if spec.has_sink else None
     cs = consts.at[pl.ds(int(spec.has_sink), 2)] if spec.mega else None
@@ -176,11 +176,13 @@ def _scratch_types(spec: KernelSpec) -> tuple:
     else:
         scales = plgpu.SMEM((SCALE_GROUPS, T), jnp.float32)
     q = plgpu.SMEM((2, HB, HALF), spec.dtype, transforms=(TILE, SWIZZLE))
+    assert jnp.dtype(spec.dtype).itemsize == 2, "the output's staging view [w] must lie inside Q's half w"
     if spec.mega_out:
         # Q's bytes twice over as e4m3 [2, 2, 64, 256]: [w, 0] lies inside Q's half w, which only warpgroup w
         # reads, so each warpgroup stages its output once its own last wgmma has read its Q
-        assert jnp.dtype(spec.dtype).itemsize == 2, "the e4m3 view's [w, 0] must lie inside Q's half w"
         q = plgpu.RefUnion(q, plgpu.SMEM((2, 2, HB, HALF), jnp.float8_e4m3fn, transforms=OUT_STAGE_TRANSFORMS))
+    elif spec.final:  # the bf16 output's halves over Q's, as above
+        q = plgpu.RefUnion(q, plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(TILE, SWIZZLE)))
     return (
         q,
         plgpu.SMEM((NBUF, 2, T, HALF), spec.dtype, transforms=(TILE, SWIZZLE)),

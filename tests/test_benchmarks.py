@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 
 from benchmarks import ncu_summary
 
@@ -187,20 +188,28 @@ def test_pallas_mega_ablation_variants_change_the_kernel():
     from benchmarks import pallas_lowering as L
     from benchmarks.pallas_mega_ablation import VARIANTS, patched
     from pallas_kernels import _interpret
-    from tests.attention_cases import make_mega_case
+    from tests.attention_cases import make_decode_case, make_mega_case
 
     case = make_mega_case(1, b=2, h_q=64, topk=64, fmt="mxfp8_ds_mla", extra=dict(topk=64, block_size=64,
                                                                                   fmt="nvfp4_ds_mla"))
 
-    def module(variant):
+    plain_only = {"register_out"}  # variants of the plain kernels' output: the mega kernel is theirs unchanged
+
+    def module(variant, op=d.sparse_mla_mega_decode, args=case.args(), kwargs=case.kwargs()):
         with _interpret.gpu_mode(), pallas_kernels.num_splits_override(1), patched(variant):
-            f = jax.jit(lambda *a: d.sparse_mla_mega_decode(*a, **case.kwargs(), impl="pallas"))
-            lowered = f.trace(*case.args()).lower(lowering_platforms=("cuda",))
+            f = jax.jit(lambda *a: op(*a, **kwargs, impl="pallas"))
+            lowered = f.trace(*args).lower(lowering_platforms=("cuda",))
             (text,) = L.module_texts(lowered, without_dump_basename=True)
         return text
 
     default = module("default")
     for v in VARIANTS:
-        if v != "default":
+        if v != "default" and v not in plain_only:
             assert module(v) != default, v
     assert module("default") == default
+    plain = make_decode_case(1, b=2, s_q=1, h_q=64, topk=64, fmt="mxfp8_ds_mla",
+                             extra=dict(topk=64, block_size=64, fmt="nvfp4_ds_mla"))
+    plain_module = functools.partial(module, op=d.sparse_mla_decode, args=plain.args(), kwargs=plain.kwargs())
+    plain_default = plain_module("default")
+    for v in plain_only:
+        assert module(v) == default and plain_module(v) != plain_default, v
