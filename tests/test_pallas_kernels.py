@@ -281,6 +281,33 @@ def test_lowers_for_cuda(name):
     assert "mosaic_gpu" in text, "no Mosaic GPU custom call in the lowered module"
 
 
+def test_compute_code_is_emitted_once():
+    # both compute warpgroups run one traced copy of their code, with one block loop over every pool: a second pool
+    # adds only the memory warpgroup's loop for its format. Two copies miss in the instruction cache (the mega
+    # decode's compute warpgroups stalled 36-42% on instruction fetch; benchmarks/RESULTS.md)
+    import collections
+
+    import jax
+
+    import dsv41_jax as d
+    import pallas_kernels
+    from benchmarks import pallas_lowering as L
+    from pallas_kernels import _interpret
+    from tests.attention_cases import make_decode_case
+
+    def ops(**extra):
+        case = make_decode_case(1, fmt="mxfp8_ds_mla", block_size=64, topk=64, h_q=64, b=2, s_q=1, **extra)
+        with _interpret.gpu_mode(), pallas_kernels.num_splits_override(1):
+            f = jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas"))
+            (counts,) = L.module_op_counts(f.trace(*case.args()).lower(lowering_platforms=("cuda",)))
+        return collections.Counter(counts)
+
+    one, two = ops(), ops(extra=dict(topk=64, block_size=64, fmt="nvfp4_ds_mla"))
+    assert two["scf.for"] == one["scf.for"] + 1, (one["scf.for"], two["scf.for"])
+    # the compute code's wgmmas (Q K^T, P V) appear once whatever the pool count
+    assert two["nvvm.wgmma.fence.aligned"] == one["nvvm.wgmma.fence.aligned"], (one, two)
+
+
 # --------------------------------------------------------------------------- registration
 def test_import_touches_no_gpu():
     # With JAX_PLATFORMS=cuda on a machine without one, any backend initialisation would raise.
