@@ -11,8 +11,9 @@
 #   pallas-ablation  benchmarks.pallas_kernels_bench on the two target cases with kernel variants
 #                 ($PALLAS_VARIANTS, default "default,f16,bf16_ops,splits=1"; $ABL_CASES decode,prefill);
 #                 not recorded (comparisons)
-#   pallas-mega-ablation  benchmarks.pallas_mega_ablation: the pallas mega decode with parts of its in-kernel stages
-#                 removed ($MEGA_ABL_CASES, default mega_v41_h64_t512,mega_v41_h64_t128; one split); not recorded
+#   pallas-mega-ablation  benchmarks.pallas_mega_ablation: the pallas mega ops with parts of their in-kernel stages
+#                 removed ($MEGA_ABL_CASES, default mega_v41_h64_t512,mega_v41_h64_t128, mega prefill names too;
+#                 $MEGA_ABL_VARIANTS, default all; one split); not recorded
 #   pallas-ncu    Nsight Compute over one pallas kernel call per case ($NCU_CASES): report, details page,
 #                 per-instruction SASS page, log and a bench folder per case: point OUT elsewhere and
 #                 copy what you need (the device tool returns at most 8 files)
@@ -94,7 +95,8 @@ for s in "${stages[@]}"; do
     pallas-ablation) run timeout 500 $PY -m benchmarks.pallas_kernels_bench --iters 5 --variants "${PALLAS_VARIANTS:-default,f16,bf16_ops,splits=1}" \
         --cases "${ABL_CASES:-decode,prefill}" 2>&1 | tee "$OUT/pallas_ablation.log" | grep -v "^  (CUPTI" ;;
     pallas-mega-ablation) run timeout 500 $PY -m benchmarks.pallas_mega_ablation \
-        --cases "${MEGA_ABL_CASES:-mega_v41_h64_t512,mega_v41_h64_t128}" 2>&1 | tee "$OUT/pallas_mega_ablation.log" ;;
+        --cases "${MEGA_ABL_CASES:-mega_v41_h64_t512,mega_v41_h64_t128}" ${MEGA_ABL_VARIANTS:+--variants $MEGA_ABL_VARIANTS} \
+        2>&1 | tee "$OUT/pallas_mega_ablation.log" ;;
     pallas-ncu) ncu_cases pallas sparse_mla_kernel pncu sass sass "|Shared Memory" ;;
     install-tests) run timeout 560 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests/gpu/test_install_gpu.py 2>&1 | tee "$OUT/install_tests.log" | tail -40 ;;
     pallas-tests) run timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pallas_gpu.py 2>&1 | tee "$OUT/pallas_tests.log" | tail -30 ;;
