@@ -235,8 +235,8 @@ def build_kernel(spec: KernelSpec):
     byte, 0 when masked; `ops.pool_operands`). Final mode returns out bf16 [R, Hp, 512], lse f32
     [R, Hp], max_logits f32 [R, Hp]; split mode returns f32 [R, S, Hp, 512], [R, S, Hp], [R, S, Hp]. The mega
     output (`spec.mega`, one split) is out e4m3 [R, Hp, 512], lse f32 [R, Hp] and the UE8M0 exponents as
-    uint32 [R, Hp, 4], four bytes per word with the lowest dims' first (inverse-roped O x 2^-e per 32 dims; the
-    bytes of `ops` bitcast them to [R, Hp, 16]).
+    uint32 [R, Hp, 4], four bytes per word with the lowest dims' first (inverse-roped O x 2^-e per 32 dims;
+    `ops` bitcasts them to the bytes [R, Hp, 16]).
     """
     if smem_bytes(spec) > SMEM_LIMIT:
         raise ValueError(f"kernel needs {smem_bytes(spec)} B of SMEM (> {SMEM_LIMIT})")
