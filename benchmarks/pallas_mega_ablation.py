@@ -64,7 +64,8 @@ def _without(field: str):
 
 
 def _copies_skipping_discarded():
-    """`_mega`'s `plgpu` whose bulk copies into a `_Discard` (see `_without`) are dropped."""
+    """`_kernel`'s `plgpu` (`Program.send_out_half`'s) whose bulk copies into a `_Discard` (see `_without`) are
+    dropped."""
     import types
 
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -119,7 +120,7 @@ VARIANTS = {
     "no_stage": {("_compute", "store_mega_out"): lambda: (lambda prog, w, res: None)},
     "no_scale_store": {("_kernel", "_program"): lambda: _without("scale")},
     "no_value_store": {("_kernel", "_program"): lambda: _without("out"),
-                       ("_mega", "plgpu"): _copies_skipping_discarded},
+                       ("_kernel", "plgpu"): _copies_skipping_discarded},
     "no_inverse_rope": {("_mega", "_rotate"): _no_inverse_rope},
     "no_q_rope": {("_compute", "rope_q"): lambda: (lambda prog: None)},
     "no_exponent": {("_mega", "kvc"): _no_exponent},

@@ -145,14 +145,11 @@ def _block(prog: Program, w, carry):
 
 
 def store_final_out(prog: Program, w, res):
-    """Warpgroup w's bf16 half of the final O, staged in its own Q half's SMEM (`Scratch.out_stage`) and stored with
-    one bulk copy, as the mega output is: register stores of a wgmma-layout tile write 4 bytes in each of 8 rows
-    per warp instruction."""
+    """Warpgroup w's bf16 half of the final O, staged in its own Q half's SMEM (`Scratch.out_stage`) and sent with
+    one bulk copy, as the mega output is (`Program.send_out_half`)."""
     stage = prog.s.out_stage.at[w]
     stage[...] = res.astype(jnp.bfloat16)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, prog.out.at[prog.row, pl.ds(prog.h0, HB), pl.ds(w * HALF, HALF)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA may exit once its SMEM is read
+    prog.send_out_half(w, stage)
 
 
 def epilogue(prog: Program, w, o, m, l, sink):

@@ -103,6 +103,14 @@ class Program:
     h0: Any  # first head of the head group
     ranges: tuple  # per pool (first block, end block) of this split
 
+    def send_out_half(self, w, stage):
+        """Warpgroup w's staged one-split output half [64, 256] (`Scratch.out_stage`, bf16 or the mega output's e4m3)
+        to its place in `out` with one bulk copy: register stores of a wgmma-layout tile write a few bytes in each
+        of 8 rows per warp instruction."""
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, self.out.at[self.row, pl.ds(self.h0, HB), pl.ds(w * HALF, HALF)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA may exit once its SMEM is read
+
 
 def _split_ranges(counts_ref, row, split, spec: KernelSpec):
     """Per-pool block ranges of this split: the row's valid blocks (main then extra) cut in NS parts."""
@@ -250,7 +258,7 @@ def build_kernel(spec: KernelSpec):
             memory_warpgroup(prog)
 
         # one copy of the compute code for both warpgroups (w traced): two copies of the block loop and the
-        # epilogue miss in the instruction cache (benchmarks/RESULTS.md, thirty-first session)
+        # epilogue miss in the instruction cache (benchmarks/RESULTS.md)
         @pl.when(wg < 2)
         def _compute():
             compute_warpgroup(prog, wg)

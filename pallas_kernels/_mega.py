@@ -104,8 +104,4 @@ def store_mega_out(prog: Program, w, res):
             # one four-byte store per row instead of four one-byte ones
             prog.scale.at[row, pl.ds(h0, HB), w * words + g // OUT_WORD][...] = lax.bitcast_convert_type(
                 word, jnp.uint32)
-    # one bulk copy of the half: register stores of two e4m3 bytes each, 8 bytes per row and warp, cost the
-    # kernel a quarter of its time (benchmarks/RESULTS.md)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, prog.out.at[row, pl.ds(h0, HB), pl.ds(w * HALF, HALF)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA may exit once its SMEM is read
+    prog.send_out_half(w, stage)

@@ -17,8 +17,7 @@ from dsv41_jax import kv_cache as kvc
 
 __all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "scale_offsets_mode", "T", "HB", "D", "HALF", "NOPE",
            "ROPE_DIM", "STAGE_PITCH", "SCALE_GROUPS", "OUT_GROUP", "OUT_WORD", "LOG2E", "LN2", "REG_BUDGET",
-           "SMEM_LIMIT", "NBUF",
-           "TILE", "SWIZZLE", "OUT_STAGE_TRANSFORMS", "ROW", "COL", "QUANTIZED_FORMATS"]
+           "SMEM_LIMIT", "NBUF", "TILE", "SWIZZLE", "OUT_STAGE_TRANSFORMS", "ROW", "COL", "QUANTIZED_FORMATS"]
 
 T = 64  # tokens per block (the wgmma N of Q K^T and the K of P V)
 HB = 64  # heads per program (the wgmma M)
