@@ -4,7 +4,8 @@ Warpgroup w owns latent dims [256 w, 256 w + 256) of Q, K = V (the latent) and O
 S_w = Q_w K_w^T (wgmma), the two f32 partials exchanged through SMEM so that both hold
 S = S_0 + S_1 bitwise identically, the same online softmax in both (exp2 domain, masked columns
 -inf, the running max starts at -inf with a guard so (-inf) - (-inf) never occurs), then
-O_w += P V_w (wgmma, P from registers) and the K buffer released. With bf16 operands P = P_hi +
+O_w += P V_w (wgmma, P from registers) and the K buffer released; Q is released after the item's last
+Q K^T, so that the next item's Q lands during its last block and epilogue. With bf16 operands P = P_hi +
 P_lo in two bf16 terms: a single bf16 P misses the output tolerance on rows mixing large and small
 values; with f16 operands one f16 P.
 """
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["compute_warpgroup", "exchange_scores", "softmax_step", "epilogue", "store_final_out"]
 
 
-def exchange_scores(prog: Program, w, s_own, n):
+def exchange_scores(prog: Program, w, s_own, nx):
     """S = S_0 + S_1 from this warpgroup's partial (its 256 dims) and the peer's (w: the traced warpgroup
     index). Both hold bitwise-identical scores: each adds the other's partial to its own, and f32 addition
     commutes.
@@ -36,7 +37,7 @@ def exchange_scores(prog: Program, w, s_own, n):
     Two buffers (`spec.xbufs`): both post their partial at once (x_post), read the other's and
     release the buffers (x_read), which the next block waits for before posting. One buffer (fp8
     kernels, whose SMEM leaves room for one): wg 0 posts (x_post), wg 1 takes it and posts its own
-    (x_read), wg 0 takes that."""
+    (x_read), wg 0 takes that. nx: the exchanges this CTA has made before."""
     s = prog.s
     if prog.spec.xbufs == 1:
         @pl.when(w == 0)
@@ -59,7 +60,7 @@ def exchange_scores(prog: Program, w, s_own, n):
 
         return s_own + s_peer
 
-    @pl.when(n > 0)
+    @pl.when(nx > 0)
     def _():
         plgpu.barrier_wait(s.x_read)
 
@@ -124,10 +125,11 @@ def _pv(prog: Program, w, kb, p_hi, p_lo, o):
     return pl.run_scoped(pv, plgpu.ACC((HB, HALF), jnp.float32))
 
 
-def _block(prog: Program, w, carry):
-    """One 64-token block: wait for its buffer, S, softmax, P V, release the buffer."""
+def _block(prog: Program, w, carry, last):
+    """One 64-token block in ring slot n: wait for its buffer, S (then Q's release if `last`, the item's last
+    block), softmax, P V, release the buffer. nx counts the CTA's blocks (the score exchanges)."""
     s = prog.s
-    n, o, m, l = carry
+    n, nx, o, m, l = carry
     b = n % NBUF
     plgpu.barrier_wait(s.full.at[b])
     kb = s.k.at[b]
@@ -137,25 +139,33 @@ def _block(prog: Program, w, carry):
         plgpu.wgmma(acc, s.q.at[w], kb.at[w].transpose((1, 0)))
         return acc[...]
 
-    scores = exchange_scores(prog, w, pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32)), n)
+    s_own = pl.run_scoped(qk, plgpu.ACC((HB, T), jnp.float32))
+
+    if not prog.spec.mega_out:  # (the mega output stages in Q)
+        @pl.when(last)
+        def _():
+            plgpu.barrier_arrive(s.q_free)  # this warpgroup's wgmmas have read its Q half for the last time
+
+    scores = exchange_scores(prog, w, s_own, nx)
     p_hi, p_lo, o, m_new, l = softmax_step(prog, scores, idx_col, m, l, o)
     o = _pv(prog, w, kb, p_hi, p_lo, o)
     plgpu.barrier_arrive(s.free.at[b])  # P V has read the K tile
-    return n + 1, o, m_new, l
+    return n + 1, nx + 1, o, m_new, l
 
 
-def store_final_out(prog: Program, w, res):
-    """Warpgroup w's bf16 half of the final O, staged in its own Q half's SMEM (`Scratch.out_stage`) and sent with
-    one bulk copy, as the mega output is (`Program.send_out_half`)."""
-    stage = prog.s.out_stage.at[w]
-    stage[...] = res.astype(jnp.bfloat16)
+def store_final_out(prog: Program, w, res, slot):
+    """Warpgroup w's bf16 half of the final O, staged in its own half of ring slot `slot` and sent with one bulk
+    copy, as the mega output is (`Program.send_out_half`). An f16 ring holds the bf16 bits (`out` is then f16
+    typed)."""
+    stage = prog.s.k.at[slot, w]
+    stage[...] = lax.bitcast_convert_type(res.astype(jnp.bfloat16), stage.dtype)
     prog.send_out_half(w, stage)
 
 
-def epilogue(prog: Program, w, o, m, l, sink):
-    """O / l (with the sink in the denominator when final), lse and max_logits. One split: O staged and bulk-copied
-    (`store_final_out`; the mega output: O as e4m3 with its exponents, `_mega.store_mega_out`); several: the f32
-    partials stored from registers."""
+def epilogue(prog: Program, w, o, m, l, sink, slot):
+    """O / l (with the sink in the denominator when final), lse and max_logits. One split: O staged in ring slot
+    `slot` and bulk-copied (`store_final_out`), or the mega output, O as e4m3 with its exponents staged in Q
+    (`_mega.store_mega_out`); several: the f32 partials stored from registers."""
     spec, row, split, h0 = prog.spec, prog.row, prog.split, prog.h0
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
@@ -174,7 +184,7 @@ def epilogue(prog: Program, w, o, m, l, sink):
         def _lse():
             prog.lse.at[row, pl.ds(h0, HB)][...] = lse
     elif spec.final:
-        store_final_out(prog, w, res)
+        store_final_out(prog, w, res, slot)
 
         @pl.when(w == 0)
         def _stats():
@@ -189,12 +199,15 @@ def epilogue(prog: Program, w, o, m, l, sink):
             prog.mx.at[row, split, pl.ds(h0, HB)][...] = mx
 
 
-def compute_warpgroup(prog: Program, w):
-    """Compute warpgroup w's whole program (w traced: both warpgroups run one copy of this code)."""
+def _item(prog: Program, w, k, carry):
+    """One item (ring slots n, n + 1, ...; nx exchanges made before): the blocks, then the epilogue, whose output
+    takes one more slot with one split. Returns the next (n, nx)."""
     spec, s = prog.spec, prog.s
-    plgpu.set_max_registers(spec.registers[1], action="increase")
+    n, nx = carry
     plgpu.barrier_wait(s.q_bar)
     if spec.mega:
+        plgpu.barrier_wait(s.c_bar)  # cos / sin (and the sink)
+
         @pl.when(w == 1)  # the RoPE dims are this warpgroup's
         def _rope():
             rope_q(prog)
@@ -203,7 +216,6 @@ def compute_warpgroup(prog: Program, w):
     if spec.f16:  # Q arrived as bf16 bits: rewrite the half this warpgroup contracts
         q_to_f16(s.q, w, spec.interpret)
         plgpu.commit_smem()
-    sink = plgpu.load(s.sink, layout=ROW) if spec.has_sink else None
 
     o = plgpu.layout_cast(jnp.zeros((HB, HALF), jnp.float32), plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((HB,), -jnp.inf, jnp.float32), ROW)
@@ -211,11 +223,39 @@ def compute_warpgroup(prog: Program, w):
     # the blocks of every pool in one loop: a block's work does not depend on its pool (the memory warpgroup
     # publishes them in the same order)
     blocks = sum(hi - lo for lo, hi in prog.ranges)
-    n, o, m, l = lax.fori_loop(0, blocks, lambda j, carry: _block(prog, w, carry), (jnp.int32(0), o, m, l))
+    n, nx, o, m, l = lax.fori_loop(0, blocks, lambda j, c: _block(prog, w, c, j == blocks - 1), (n, nx, o, m, l))
+
+    if not spec.mega_out:
+        @pl.when(blocks == 0)
+        def _():
+            plgpu.barrier_arrive(s.q_free)
+
+    sink = None
+    if spec.has_sink:
+        if not spec.mega:
+            plgpu.barrier_wait(s.c_bar)
+        sink = plgpu.load(s.sink, layout=ROW)
+    if spec.row_consts and not spec.mega:
+        plgpu.barrier_arrive(s.c_free)  # the sink is in registers (the mega epilogue still reads cos / sin)
+    epilogue(prog, w, o, m, l, sink, n % NBUF)
+    if spec.stage_in_ring:
+        plgpu.barrier_arrive(s.free.at[n % NBUF])  # the output's bulk copy has read its stage
+        n = n + 1
+    if spec.mega_out:
+        plgpu.barrier_arrive(s.q_free)  # the output's bulk copy has read its stage in Q
+    if spec.mega:
+        plgpu.barrier_arrive(s.c_free)
+    return n, nx
+
+
+def compute_warpgroup(prog: Program, w):
+    """Compute warpgroup w's whole program, every item of the CTA (w traced: both warpgroups run one copy of this
+    code)."""
+    spec, s = prog.spec, prog.s
+    plgpu.set_max_registers(spec.registers[1], action="increase")
+    _, nx = prog.for_items(lambda p, k, c: _item(p, w, k, c), (jnp.int32(0), jnp.int32(0)))
 
     if spec.xbufs == 2:
-        @pl.when(n > 0)
+        @pl.when(nx > 0)
         def _():
             plgpu.barrier_wait(s.x_read)  # the last block's release
-
-    epilogue(prog, w, o, m, l, sink)

@@ -4,7 +4,8 @@ A *row* is one query token (decode: one (request, s_q) pair; prefill: one query)
 over the union of up to two token *pools* (decode: the main and the extra cache; prefill: `kv`),
 each given per row as a list of record indices / row numbers (-1 = masked) prepared by `ops.py`.
 
-Program (CTA) = (row, split, 64-head group), a 1-D grid (rows may exceed 65535); heads are padded
+Item = (row, split, 64-head group); one CTA per item on a 1-D grid (rows may exceed 65535), or with
+`KernelSpec.ctas` that many persistent CTAs, each looping over items cta, cta + ctas, ...; heads are padded
 to a multiple of 64 by the caller (the wgmma M is 64). Three warpgroups (Pallas "threads", "wg"),
 lane-level lowering semantics (explicit register layouts):
 
@@ -15,10 +16,18 @@ lane-level lowering semantics (explicit register layouts):
   [256 w, 256 w + 256); per block S = Q K^T (each contracts its own dims, the partial scores are
   exchanged through SMEM), an online softmax, O += P V (K = V = the latent), then the epilogue.
 
-Synchronization: `q_bar` (Q + sink landed), `full[b]` / `free[b]` (buffer b published by the
-memory warpgroup / released by both compute warpgroups), `x_post` / `x_read` (score exchange),
+Synchronization: `q_bar` / `c_bar` (Q / the constants landed: the sink, the mega ops' cos / sin),
+`q_free` / `c_free` (both compute warpgroups are done with the item's Q / constants: the next item's may
+land), `full[b]` / `free[b]` (buffer b published by the memory warpgroup / released by both compute
+warpgroups), `x_post` / `x_read` (score exchange),
 `ibar_idx` / `ibar` (interpreter only: the Pallas-level gather's copies). SMEM: Q 64 KiB + K
 2 x 64 KiB + the exchange buffers (`KernelSpec.xbufs`) + indices, scale bytes and sink.
+
+The ring's slots are counted across the CTA's items: each block takes one, and the one-split bf16 output
+takes one more (`KernelSpec.stage_in_ring`), in which the compute warpgroups stage it for its bulk copy (each
+in its own half, which only it reads), so that Q is free for the next item once the item's last Q K^T has
+run. The mega output's e4m3 stage (its own tiling) lies in Q's SMEM instead (a `RefUnion`), which the next
+item's Q then waits for.
 
 The mega ops (`spec.mega`, `_mega.py`): Q arrives unroped with the row's cos / sin; warpgroup 1 ropes
 Q's last 64 dims in SMEM before its first wgmma and, with one split, the epilogue inverse-ropes O and writes
@@ -79,14 +88,18 @@ class Scratch:
     rope: Any  # interpreter, fp8_ds_mla pools: the RoPE bytes of a block as bf16 [64, 128]
     ibar_idx: Any  # interpreter: the gather's barriers (sources; one arrival per copy)
     ibar: Any
-    # one split: warpgroup w's output half [64, 256] staged in its own Q half's bytes for one bulk copy out, bf16
-    # (`out_stage.at[w]`) or the mega output's e4m3 (`out_stage.at[w, 0]`)
+    q_free: Any
+    c_free: Any  # None without constants (as c_bar)
+    c_bar: Any
+    # the mega output (one split): warpgroup w's e4m3 half [64, 256] staged in its own Q half's bytes for one bulk
+    # copy out (`out_stage.at[w, 0]`); the bf16 output stages in the ring (`k.at[b, w]`)
     out_stage: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One CTA's view of the kernel: the spec, the operands, the scratch and its coordinates."""
+    """One CTA's view of the kernel: the spec, the operands, the scratch and the coordinates of its current item
+    (`at`)."""
 
     spec: KernelSpec
     q: Any  # bf16 [R, Hp, 512]
@@ -98,10 +111,34 @@ class Program:
     mx: Any  # max_logits (None for the mega output)
     scale: Any  # the mega output's exponent bytes, four per word: uint32 [R, Hp, 4] (else None)
     s: Scratch
-    row: Any
-    split: Any
-    h0: Any  # first head of the head group
-    ranges: tuple  # per pool (first block, end block) of this split
+    counts: Any  # int32 [R, n_pools]: blocks per row and pool
+    row: Any = None
+    split: Any = None
+    h0: Any = None  # first head of the head group
+    ranges: tuple = ()  # per pool (first block, end block) of this split
+
+    def items(self):
+        """(first, stride, count) of this CTA's items; count is static (1) without persistent CTAs."""
+        cta = lax.axis_index("cta")
+        if self.spec.ctas is None:
+            return cta, 1, 1
+        grid = self.spec.grid
+        return cta, grid, (self.spec.items - cta + grid - 1) // grid
+
+    def for_items(self, body, carry):
+        """`carry = body(item_program, k, carry)` over this CTA's items (k: the item's ordinal in the CTA)."""
+        first, stride, count = self.items()
+        if self.spec.ctas is None:  # one item
+            return body(self.at(first), jnp.int32(0), carry)
+        return lax.fori_loop(0, count, lambda k, c: body(self.at(first + k * stride), k, c), carry)
+
+    def at(self, item) -> Program:
+        """This program at item `item`: its (row, split, head group) and block ranges."""
+        HG, NS = self.spec.head_groups, self.spec.num_splits
+        rest = item // HG
+        split, row = rest % NS, rest // NS
+        return dataclasses.replace(self, row=row, split=split, h0=(item % HG) * HB,
+                                   ranges=_split_ranges(self.counts, row, split, self.spec))
 
     def send_out_half(self, w, stage):
         """Warpgroup w's staged one-split output half [64, 256] (`Scratch.out_stage`, bf16 or the mega output's e4m3)
@@ -109,7 +146,7 @@ class Program:
         of 8 rows per warp instruction."""
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage, self.out.at[self.row, pl.ds(self.h0, HB), pl.ds(w * HALF, HALF)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA may exit once its SMEM is read
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot may be refilled once its SMEM is read
 
 
 def _split_ranges(counts_ref, row, split, spec: KernelSpec):
@@ -131,7 +168,7 @@ def _split_ranges(counts_ref, row, split, spec: KernelSpec):
 
 
 def _program(spec: KernelSpec, refs) -> Program:
-    """Unpacks the kernel's refs and computes the CTA's (row, split, head group) and block ranges."""
+    """Unpacks the kernel's refs (the item coordinates are set by `Program.at`)."""
     it = iter(refs)
     q_ref = next(it)
     counts_ref = next(it)
@@ -149,23 +186,15 @@ def _program(spec: KernelSpec, refs) -> Program:
     rest = list(it)
     assert not rest, rest
 
-    HG, NS = spec.head_groups, spec.num_splits
-    cta = lax.axis_index("cta")
-    hgi = cta % HG
-    rest_i = cta // HG
-    split = rest_i % NS
-    row = rest_i // NS
-    h0 = hgi * HB
-    ranges = _split_ranges(counts_ref, row, split, spec)
-    return Program(spec, q_ref, sink_ref, cs_ref, tuple(pools), out_ref, lse_ref, mx_ref, scale_ref, scratch, row,
-                   split, h0, ranges)
+    return Program(spec, q_ref, sink_ref, cs_ref, tuple(pools), out_ref, lse_ref, mx_ref, scale_ref, scratch,
+                   counts_ref)
 
 
 def _scratch(spec: KernelSpec, refs) -> Scratch:
     """`Scratch` from the allocated refs (`_scratch_types`' order): the sink and cos / sin are views of the one
     constants buffer."""
     refs = list(refs)
-    q, out_stage = refs[0] if spec.final else (refs[0], None)
+    q, out_stage = refs[0] if spec.mega_out else (refs[0], None)
     consts = refs[6]
     sink = consts.at[0] if spec.has_sink else None
     cs = consts.at[pl.ds(int(spec.has_sink), 2)] if spec.mega else None
@@ -184,13 +213,11 @@ def _scratch_types(spec: KernelSpec) -> tuple:
     else:
         scales = plgpu.SMEM((SCALE_GROUPS, T), jnp.float32)
     q = plgpu.SMEM((2, HB, HALF), spec.dtype, transforms=(TILE, SWIZZLE))
-    assert jnp.dtype(spec.dtype).itemsize == 2, "the output's staging view [w] must lie inside Q's half w"
+    assert jnp.dtype(spec.dtype).itemsize == 2, "an output stage [w] must lie inside its buffer's half w"
     if spec.mega_out:
         # Q's bytes twice over as e4m3 [2, 2, 64, 256]: [w, 0] lies inside Q's half w, which only warpgroup w
         # reads, so each warpgroup stages its output once its own last wgmma has read its Q
         q = plgpu.RefUnion(q, plgpu.SMEM((2, 2, HB, HALF), jnp.float8_e4m3fn, transforms=OUT_STAGE_TRANSFORMS))
-    elif spec.final:  # the bf16 output's halves over Q's, as above
-        q = plgpu.RefUnion(q, plgpu.SMEM((2, HB, HALF), jnp.bfloat16, transforms=(TILE, SWIZZLE)))
     return (
         q,
         plgpu.SMEM((NBUF, 2, T, HALF), spec.dtype, transforms=(TILE, SWIZZLE)),
@@ -200,7 +227,7 @@ def _scratch_types(spec: KernelSpec) -> tuple:
         plgpu.SMEM((128, 64), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if rope_bf16 else None,
         # rows of 64: the sink's HB heads, cos / sin's ROPE_DIM dims
         plgpu.SMEM((spec.row_consts, HB), jnp.float32) if spec.row_consts else None,
-        plgpu.Barrier(num_arrivals=2 + spec.has_sink + spec.mega),  # q_bar: Q's halves, sink, cos / sin
+        plgpu.Barrier(num_arrivals=2),  # q_bar: Q's halves
         plgpu.Barrier(num_arrivals=1, num_barriers=NBUF),  # full: the memory warpgroup published a block
         plgpu.Barrier(num_arrivals=2, num_barriers=NBUF),  # free: both compute warpgroups released a buffer
         plgpu.SMEM((xbufs, HB, T), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), SWIZZLE)),
@@ -212,6 +239,10 @@ def _scratch_types(spec: KernelSpec) -> tuple:
         plgpu.SMEM((T, 128), jnp.bfloat16, transforms=(TILE, SWIZZLE)) if rope_bf16 else None,
         plgpu.Barrier(num_arrivals=1) if interpret else None,
         plgpu.Barrier(num_arrivals=2 * T + 1) if interpret else None,  # two arrivals per token, one more
+        plgpu.Barrier(num_arrivals=2),  # q_free: both compute warpgroups' last Q K^T of the item has run
+        plgpu.Barrier(num_arrivals=2) if spec.row_consts else None,  # c_free: both are done with the constants
+        # c_bar: the constants landed (the sink, cos / sin: one copy each)
+        plgpu.Barrier(num_arrivals=spec.has_sink + spec.mega) if spec.row_consts else None,
     )
 
 
@@ -221,8 +252,8 @@ def _out_types(spec: KernelSpec) -> tuple:
         return (jax.ShapeDtypeStruct((R, Hp, D), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((R, Hp), jnp.float32),
                 jax.ShapeDtypeStruct((R, Hp, D // OUT_GROUP // OUT_WORD), jnp.uint32))
-    if spec.final:
-        return (jax.ShapeDtypeStruct((R, Hp, D), jnp.bfloat16),
+    if spec.final:  # f16 kernels stage the bf16 output's bits in their f16 ring: `out` holds them as f16
+        return (jax.ShapeDtypeStruct((R, Hp, D), spec.dtype),
                 jax.ShapeDtypeStruct((R, Hp), jnp.float32),
                 jax.ShapeDtypeStruct((R, Hp), jnp.float32))
     return (jax.ShapeDtypeStruct((R, NS, Hp, D), jnp.float32),
@@ -267,7 +298,7 @@ def build_kernel(spec: KernelSpec):
         sparse_mla_kernel,
         out_type=_out_types(spec),
         scratch_types=(_scratch_types(spec),),
-        grid=(spec.rows * spec.num_splits * spec.head_groups,),
+        grid=(spec.grid,),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",

@@ -1,4 +1,4 @@
-"""The memory warpgroup (wg 2): Q in, then every 64-token block of the row's pools into the K ring.
+"""The memory warpgroup (wg 2): per item, Q in, then every 64-token block of the row's pools into the K ring.
 
 It runs with few registers (40; 56 when it converts quantized records) and no matmul. Per block it
 waits for the buffer's release, gathers the block's tokens straight into the swizzled K tile (bf16
@@ -7,6 +7,11 @@ plus the block's 64 sources, and publishes the buffer (`full`). Masked tokens ar
 their copies zero-fill. Kernels of bf16 pools only publish block n - 1 before waiting for the
 release of block n's buffer (its copies land meanwhile); kernels of quantized pools publish each block
 once converted. In interpret mode the gather is a loop of Pallas-level copies (`fill_interpret`).
+
+With persistent CTAs an item's Q is copied once the previous item's last Q K^T has run (`q_free`), so that it
+lands, and the item's first block with it, while the previous item's last block and epilogue run; its
+constants follow its first block's gather (`c_free`: the previous item's epilogue reads them). The mega
+output stages in Q, so a mega item's Q and constants wait for the previous epilogue together.
 """
 
 from __future__ import annotations
@@ -33,15 +38,33 @@ def _buf(n):
     return n % NBUF
 
 
-def load_q(prog: Program):
-    """Q's two halves (and the sink, the mega ops' cos / sin) into SMEM, arriving on `q_bar`."""
+def _after(barrier, k):
+    """From the CTA's second item on, wait for the compute warpgroups' release of the previous item's buffer, and
+    order their reads before the copies that refill it."""
+    @pl.when(k > 0)
+    def _():
+        plgpu.barrier_wait(barrier)
+        plgpu.commit_smem()
+
+
+def load_q(prog: Program, k):
+    """Q's two halves into SMEM, arriving on `q_bar` (k: the item's ordinal in the CTA)."""
     s, row, h0 = prog.s, prog.row, prog.h0
+    _after(s.q_free, k)
     plgpu.copy_gmem_to_smem(prog.q.at[row, pl.ds(h0, HB), pl.ds(0, HALF)], s.q.at[0], s.q_bar)
     plgpu.copy_gmem_to_smem(prog.q.at[row, pl.ds(h0, HB), pl.ds(HALF, HALF)], s.q.at[1], s.q_bar)
-    if prog.spec.has_sink:
-        plgpu.copy_gmem_to_smem(prog.sink.at[pl.ds(h0, HB)], s.sink, s.q_bar)
-    if prog.spec.mega:
-        plgpu.copy_gmem_to_smem(prog.cs.at[row], s.cs, s.q_bar)
+
+
+def load_consts(prog: Program, k):
+    """The sink and the mega ops' cos / sin into the constants buffer, arriving on `c_bar`."""
+    s, spec = prog.s, prog.spec
+    if not spec.row_consts:
+        return
+    _after(s.c_free, k)
+    if spec.has_sink:
+        plgpu.copy_gmem_to_smem(prog.sink.at[pl.ds(prog.h0, HB)], s.sink, s.c_bar)
+    if spec.mega:
+        plgpu.copy_gmem_to_smem(prog.cs.at[prog.row], s.cs, s.c_bar)
 
 
 def publish(prog: Program, b):
@@ -121,17 +144,31 @@ def _gather_block(prog: Program, j, b, pool, pspec):
         cache, src.at[row, pl.ds(j * T, T)], s.k.at[b], s.idx.at[b], *extra)
 
 
-def memory_warpgroup(prog: Program):
-    """The memory warpgroup's whole program."""
-    spec, s = prog.spec, prog.s
-    plgpu.set_max_registers(spec.registers[0], action="decrease")
-    if spec.has_rope_bf16 and spec.interpret:
-        s.combiner[...] = rope_combiner()
+def _take_slot(prog: Program, n):
+    """Wait for ring slot n's release from its previous use (slot n - NBUF): the compute warpgroups read the
+    buffers with generic loads and wgmmas (and the epilogue's bulk copy); order those reads before the copies
+    that refill it."""
+    @pl.when(n >= NBUF)
+    def _():
+        plgpu.barrier_wait(prog.s.free.at[_buf(n)])
         plgpu.commit_smem()
-    load_q(prog)
+
+
+def _item(prog: Program, k, n):
+    """One item: Q, the blocks of every pool (ring slots n, n + 1, ...), then the epilogue's slot with one split.
+    Returns the next free slot."""
+    spec = prog.spec
+    load_q(prog, k)
+    # The constants come with Q for an item's first block, and for the mega output (whose epilogue releases
+    # both); otherwise after the first block (the previous item's epilogue reads the sink)
+    late = (k > 0) & (not spec.mega_out)
+
+    @pl.when(jnp.logical_not(late))
+    def _():
+        load_consts(prog, k)
 
     deferred = not spec.has_quantized  # bf16 blocks are published one iteration later
-    n = jnp.int32(0)
+    n0 = n
     for p, pspec in enumerate(spec.pools):
 
         def blk(j, n, pool=prog.pools[p], pspec=pspec):
@@ -139,34 +176,56 @@ def memory_warpgroup(prog: Program):
             if deferred:
                 # Publish the previous block (issued one iteration ago) before waiting for this
                 # buffer's release, so the compute warpgroups never wait on this issue.
-                @pl.when(n >= 1)
+                @pl.when(n > n0)
                 def _():
-                    publish(prog, _buf(n + 1))
+                    publish(prog, _buf(n - 1))
 
-            @pl.when(n >= NBUF)
-            def _():
-                plgpu.barrier_wait(s.free.at[b])
-                # The compute warpgroups read the buffers with generic loads and wgmmas; order
-                # those reads before the copies that refill them.
-                plgpu.commit_smem()
-
+            _take_slot(prog, n)
             if spec.interpret:
                 fill_interpret(prog, j, b, *pool, pspec)
             else:
                 _gather_block(prog, j, b, pool, pspec)
             if not deferred:
                 publish(prog, b)
+
+            @pl.when((n == n0) & late)  # the constants follow the item's first block
+            def _():
+                load_consts(prog, k)
+
             return n + 1
 
         n = lax.fori_loop(prog.ranges[p][0], prog.ranges[p][1], blk, n)
 
+    @pl.when((n == n0) & late)  # an item without blocks
+    def _():
+        load_consts(prog, k)
+
     if deferred:
-        @pl.when(n >= 1)
+        @pl.when(n > n0)
         def _():
-            publish(prog, _buf(n + 1))
+            publish(prog, _buf(n - 1))
+
+    if spec.stage_in_ring:  # the epilogue stages the output in the next slot (no data, no `full` arrival)
+        _take_slot(prog, n)
+        n = n + 1
+    return n
+
+
+def memory_warpgroup(prog: Program):
+    """The memory warpgroup's whole program: every item of the CTA (`Program.items`)."""
+    spec, s = prog.spec, prog.s
+    plgpu.set_max_registers(spec.registers[0], action="decrease")
+    if spec.has_rope_bf16 and spec.interpret:
+        s.combiner[...] = rope_combiner()
+        plgpu.commit_smem()
+
+    n = prog.for_items(_item, jnp.int32(0))
 
     # Observe the last phases too (every phase of a barrier must be awaited by its waiters).
     for k in range(NBUF):
         @pl.when(n - NBUF + k >= 0)
         def _():
             plgpu.barrier_wait(s.free.at[_buf(n - NBUF + k)])
+    plgpu.barrier_wait(s.q_free)
+    if spec.row_consts:
+        plgpu.barrier_wait(s.c_free)

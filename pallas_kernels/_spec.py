@@ -83,10 +83,28 @@ class KernelSpec:
     # The mega ops (`_mega.py`): the row's cos / sin in SMEM, Q's RoPE in the kernel, and with one split
     # the inverse RoPE and the e4m3 output with UE8M0 exponents per 32 dims (split partials stay f32).
     mega: bool = False
+    # Persistent programs: `ctas` CTAs, each looping over the items (row, split, head group) cta, cta + ctas, ...,
+    # so that an item's Q and first block load while the previous item's last block and epilogue run. None: one
+    # CTA per item.
+    ctas: int | None = None
+
+    def __post_init__(self):
+        if self.ctas is not None and not 1 <= self.ctas <= self.items:
+            raise ValueError(f"ctas must lie in [1, items = {self.items}], got {self.ctas}")
 
     @property
     def head_groups(self) -> int:
         return self.heads // HB
+
+    @property
+    def items(self) -> int:
+        """(row, split, head group) work items: one CTA each unless `ctas` is set."""
+        return self.rows * self.num_splits * self.head_groups
+
+    @property
+    def grid(self) -> int:
+        """CTAs launched."""
+        return self.items if self.ctas is None else self.ctas
 
     @property
     def final(self) -> bool:
@@ -97,6 +115,11 @@ class KernelSpec:
     def mega_out(self) -> bool:
         """The kernel writes the mega output (e4m3 values, exponents, lse), not bf16 O or partials."""
         return self.mega and self.final
+
+    @property
+    def stage_in_ring(self) -> bool:
+        """The one-split bf16 output is staged in a K ring slot of its own (the mega output: in Q's SMEM)."""
+        return self.final and not self.mega
 
     @property
     def row_consts(self) -> int:

@@ -68,14 +68,22 @@ def num_splits_override(n: int | None):
 
 
 @contextlib.contextmanager
-def kernel_options(*, f16: bool | None = None):
-    """Choose the operand type of kernels traced inside (benchmarks, tests): `f16=True` runs Q, the
-    K tile and P in float16 (one P V wgmma; values beyond +-65504 saturate; a decode call's bf16
-    caches are converted, whole, per call), `f16=False` keeps bf16 operands with P = P_hi + P_lo,
-    exact over bf16's range. None leaves the choice as it is (default: f16 for large prefills and for
-    decodes of V4.1 records only: `prefill_rows_f16`, `decode_operands_f16`)."""
+def kernel_options(*, f16: bool | None = None, ctas: int | str | None = None):
+    """Choose how kernels traced inside are built (benchmarks, tests).
+
+    `f16=True` runs Q, the K tile and P in float16 (one P V wgmma; values beyond +-65504 saturate; a decode
+    call's bf16 caches are converted, whole, per call), `f16=False` keeps bf16 operands with P = P_hi + P_lo,
+    exact over bf16's range (default: f16 for large prefills and for decodes of V4.1 records only:
+    `prefill_rows_f16`, `decode_operands_f16`).
+
+    `ctas=N` runs at most N persistent CTAs, each looping over (row, split, head group) items, so that an item's
+    Q and first block load while the previous item's last block and epilogue run; `ctas="sms"`: one per SM of
+    the default device; 0 restores one CTA per item (the default). None leaves either choice as it is."""
+    if ctas is not None and ctas != "sms" and not (isinstance(ctas, int) and ctas >= 0):
+        raise ValueError(f"ctas must be a count >= 0 or 'sms', got {ctas!r}")
     prev = getattr(_override, "options", {})
-    _override.options = {**prev, **({} if f16 is None else {"f16": bool(f16)})}
+    _override.options = {**prev, **({} if f16 is None else {"f16": bool(f16)}),
+                         **({} if ctas is None else {"ctas": ctas})}
     try:
         yield
     finally:
@@ -249,9 +257,14 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False, rope=None):
         num_splits = choose_num_splits(R, Hp // HB, max_blocks)
     num_splits = int(max(1, min(num_splits, max(max_blocks, 1))))
     f16 = getattr(_override, "options", {}).get("f16", f16)
+    ctas = getattr(_override, "options", {}).get("ctas") or None
+    if ctas == "sms":
+        ctas = default_num_sms()
+    items = R * num_splits * (Hp // HB)
     spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
                       softmax_scale=float(softmax_scale), has_sink=sink is not None,
-                      interpret=_interpret.active(), f16=f16, mega=rope is not None)
+                      interpret=_interpret.active(), f16=f16, mega=rope is not None,
+                      ctas=None if ctas is None or ctas >= items else ctas)
     if spec.f16:  # the kernel converts Q's values in SMEM (an XLA pass would cost a q round trip)
         q_rows = jax.lax.bitcast_convert_type(q_rows, jnp.float16)
     args = [q_rows, counts]
@@ -278,6 +291,8 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False, rope=None):
         return mega_finish(out[:, :h], rope[0], rope[1], lse[:, :h])
     if num_splits > 1:
         out, lse, mx = combine_splits(out, lse, mx, sink_p)
+    elif out.dtype != jnp.bfloat16:  # an f16 kernel's bf16 bits (`_compute.store_final_out`)
+        out = jax.lax.bitcast_convert_type(out, jnp.bfloat16)
     out = out.astype(jnp.bfloat16)
     return out[:, :h], mx[:, :h], lse[:, :h]
 

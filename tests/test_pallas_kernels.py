@@ -99,6 +99,26 @@ CASES = {
     "mega_prefill_h128_sinkinf": ("mega_prefill", dict(s_q=2, h_q=128, s_kv=200, topk=192, sink="inf"), None, False),
     "mega_prefill_h100_zero_len_f16": ("mega_prefill", dict(s_q=3, h_q=100, s_kv=150, topk=64, lengths="zero"), None,
                                        False, dict(f16=True)),
+    # persistent CTAs (`kernel_options(ctas=N)`, fewer CTAs than items): each CTA loops over its items with the ring
+    # and the barriers carried across them; empty items (zero lengths, an all-invalid row), split partials, the
+    # deferred bf16 publish, the mega epilogue
+    "decode_fp8_h128_sq2_ctas3_races": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=128, b=2,
+                                                       s_q=2, s_kv=300, sink="inf"), None, True, dict(ctas=3)),
+    "decode_bf16_extra_fp8_invalid_row_ctas2": ("decode", dict(fmt="bf16", block_size=32, topk=64, h_q=16, b=4,
+                                                               s_q=1, all_invalid_row=True, lengths=[0, 64, 17, 5],
+                                                               extra=dict(topk=64, block_size=61, fmt="fp8_ds_mla",
+                                                                          lengths="zero")), None, False,
+                                                dict(ctas=2)),
+    "decode_fp8_splits2_ctas3": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=256, h_q=8, b=2, s_q=1,
+                                                s_kv=400), 2, False, dict(ctas=3)),
+    "prefill_h128_f16_ctas4_races": ("prefill", dict(s_q=3, h_q=128, topk=128, s_kv=200, sink="inf"), None, True,
+                                     dict(f16=True, ctas=4)),
+    "prefill_zero_lengths_ctas2": ("prefill", dict(s_q=5, h_q=8, topk=64, s_kv=100, lengths="zero"), None, False,
+                                   dict(ctas=2)),
+    "mega_mx_nv_ctas2_races": ("mega_decode", dict(fmt="mxfp8_ds_mla", block_size=256, topk=128, s_kv=400, h_q=64,
+                                                   b=3, sink="inf", extra=dict(topk=128, block_size=64,
+                                                                               fmt="nvfp4_ds_mla", lengths="var")),
+                               None, True, dict(ctas=2)),
     # with a plan and batch_invariant=True (one split where the heuristic picks two): a sub-batch's rows are
     # bitwise the rows of the whole batch
     "decode_fp8_plan_batch_invariant": ("decode_invariant", dict(fmt="fp8_ds_mla", block_size=64, topk=512, h_q=8, b=3,
@@ -250,6 +270,16 @@ LOWER_CASES = {
                              dict(f16=True)),
     "mega_prefill": ("mega_prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None),
     "mega_prefill_f16": ("mega_prefill", dict(s_q=4, h_q=64, topk=128, s_kv=300), None, dict(f16=True)),
+    # persistent CTAs (fewer CTAs than items: each loops over its items)
+    "decode_fp8_ctas3": ("decode", dict(fmt="fp8_ds_mla", block_size=64, topk=128, h_q=128, b=2, s_q=2), None,
+                         dict(ctas=3)),
+    "decode_bf16_extra_fp8_splits_ctas3": ("decode", dict(fmt="bf16", block_size=32, topk=128, h_q=128, b=1, s_q=1,
+                                                          extra=dict(topk=128, block_size=61, fmt="fp8_ds_mla")), 2,
+                                           dict(ctas=3)),
+    "prefill_f16_ctas5": ("prefill", dict(s_q=4, h_q=128, topk=128, s_kv=300), None, dict(f16=True, ctas=5)),
+    "mega_decode_mx_nv_ctas2": ("mega_decode", dict(fmt="mxfp8_ds_mla", block_size=256, topk=128, h_q=64, b=3,
+                                                    extra=dict(topk=128, block_size=64, fmt="nvfp4_ds_mla")), None,
+                                dict(ctas=2)),
 }
 
 
@@ -407,6 +437,50 @@ def test_operand_mode_choice():
     assert x.dtype == np.float16
     np.testing.assert_array_equal(np.asarray(x)[:3], [65504, -65504, 1.5])
     assert np.isnan(np.asarray(x)[3])
+
+
+def test_persistent_ctas_choice():
+    """`kernel_options(ctas=...)`: at most that many persistent CTAs (never more than the items, one CTA per item
+    when N covers them all); bad counts refused."""
+    import jax
+
+    import dsv41_jax as d
+    import pallas_kernels
+    from pallas_kernels import _interpret
+    from pallas_kernels import ops as _ops
+    from pallas_kernels._spec import KernelSpec, PoolSpec
+    from tests.attention_cases import make_decode_case
+
+    base = dict(rows=3, heads=128, num_splits=2, softmax_scale=0.1, has_sink=False, interpret=False,
+                pools=(PoolSpec("fp8_ds_mla", 128),))
+    spec = KernelSpec(ctas=5, **base)
+    assert spec.items == 12 and spec.grid == 5 and KernelSpec(**base).grid == 12
+    assert spec.stage_in_ring is False and KernelSpec(**{**base, "num_splits": 1}).stage_in_ring
+    assert not KernelSpec(**{**base, "num_splits": 1}, mega=True).stage_in_ring  # the mega output stages in Q
+    for bad in (0, 13):
+        with pytest.raises(ValueError, match=r"ctas must lie in \[1, items = 12\]"):
+            KernelSpec(ctas=bad, **base)
+    for bad in (-1, "all", 2.5):
+        with pytest.raises(ValueError, match="ctas must be a count >= 0 or 'sms'"):
+            with pallas_kernels.kernel_options(ctas=bad):
+                pass
+
+    seen = []
+    real = _ops.KernelSpec
+
+    def spy(**kw):
+        seen.append(real(**kw))
+        return seen[-1]
+
+    case = make_decode_case(1, fmt="fp8_ds_mla", block_size=64, topk=128, h_q=64, b=2, s_q=2)  # 4 rows, 4 items
+    _ops.KernelSpec = spy
+    try:
+        for ctas, grid in ((3, 3), (4, 4), (64, 4), (0, 4)):
+            with _interpret.gpu_mode(), pallas_kernels.num_splits_override(1), pallas_kernels.kernel_options(ctas=ctas):
+                jax.jit(lambda *a: d.sparse_mla_decode(*a, **case.kwargs(), impl="pallas")).trace(*case.args())
+            assert seen[-1].grid == grid and seen[-1].ctas == (3 if ctas == 3 else None), (ctas, seen[-1])
+    finally:
+        _ops.KernelSpec = real
 
 
 def test_benchmark_script_needs_a_gpu(capsys):

@@ -9,7 +9,8 @@ Run on the GPU machine from the repository root:
 - a few grid cases again with a forced split count (partial outputs + combine);
 - large cases against the xla reference: decode b=128, s_q=2, h=128, topk 2048 (fp8_ds_mla),
   decode b=4 with topk 2048 + extra 1024 (splits), prefill s_q=512, h=128, topk 2048;
-- determinism: two runs are bitwise equal; caches past 4 GiB in each quantized format;
+- determinism: two runs are bitwise equal; caches past 4 GiB in each quantized format; persistent CTAs
+  (`kernel_options(ctas=...)`) bitwise equal to one CTA per item;
 - the mega ops (`sparse_mla_mega_decode` / `sparse_mla_mega_prefill(impl="pallas")`): the mega grids in both
   operand modes, the decode with its output stage in the kernel and in the combine, the output stage's exact
   bytes, the V4.1-Flash decode shape and a prefill of s_q 700 against the reference;
@@ -206,6 +207,47 @@ def test_deterministic():
     b = _prefill(p)
     for x, y in zip(a, b):
         assert np.array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), equal_nan=True)
+
+
+PERSISTENT_DECODE = {
+    "fp8_h128_b16_sq2": dict(b=16, s_q=2, h_q=128, topk=1024, block_size=64, fmt="fp8_ds_mla", s_kv=4096,
+                             lengths="var", extra=dict(topk=256, block_size=2, fmt="fp8_ds_mla", lengths="zero")),
+    "bf16_extra_fp8_b40_h64": dict(b=40, s_q=2, h_q=64, topk=128, block_size=256, fmt="bf16", s_kv=1024,
+                                   lengths="var", extra=dict(topk=512, block_size=64, fmt="fp8_ds_mla")),
+    "mxfp8_extra_nvfp4_b96_h64": dict(b=96, s_q=2, h_q=64, topk=128, block_size=256, fmt="mxfp8_ds_mla",
+                                      s_kv=1024, extra=dict(topk=512, block_size=64, fmt="nvfp4_ds_mla", s_kv=4096)),
+}
+
+
+@pytest.mark.parametrize("ctas", [7, "sms"])
+@pytest.mark.parametrize("name", list(PERSISTENT_DECODE))
+def test_persistent_ctas_decode(name, ctas):
+    # persistent CTAs (`kernel_options(ctas=...)`) compute every item as one CTA per item does: bitwise equal, and
+    # against the oracle
+    case = make_decode_case(61, **PERSISTENT_DECODE[name])
+    want = _decode(case)
+    got = _decode(case, ctas=ctas)
+    for x, y in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    case.check(*got, f"{name} ctas={ctas}")
+    with pallas_kernels.num_splits_override(3):  # split partials
+        for x, y in zip(_decode(case), _decode(case, ctas=ctas)):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize("ctas", [5, "sms"])
+def test_persistent_ctas_prefill_and_mega(ctas):
+    p = make_prefill_case(62, s_q=300, h_q=128, topk=512, s_kv=2048, lengths="var", invalid_frac=0.02)
+    for f16 in (False, True):
+        for x, y in zip(_prefill(p, f16=f16), _prefill(p, f16=f16, ctas=ctas)):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    m = make_mega_case(63, fmt="mxfp8_ds_mla", block_size=256, topk=128, s_kv=1024, h_q=64, b=40,
+                       extra=dict(topk=512, block_size=64, fmt="nvfp4_ds_mla", s_kv=4096))
+    for x, y in zip(_mega(m), _mega(m, ctas=ctas)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    mp = make_mega_prefill_case(64, s_q=200, h_q=128, s_kv=1024, topk=256)
+    for x, y in zip(_mega_prefill(mp), _mega_prefill(mp, ctas=ctas)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
 def test_plan_and_batch_invariance():
