@@ -9,8 +9,8 @@
 #   cuda-tests    tests/gpu/test_cuda_gpu.py       pallas-tests  tests/gpu/test_pallas_gpu.py
 #   install-tests tests/gpu/test_install_gpu.py (the first-use CUDA build, explain_impl, the fallback warning, info)
 #   pallas-ablation  benchmarks.pallas_kernels_bench on the two target cases with kernel variants
-#                 ($PALLAS_VARIANTS, default "default,f16,bf16_ops,splits=1"; $ABL_CASES decode,prefill);
-#                 not recorded (comparisons)
+#                 ($PALLAS_VARIANTS, default "default,f16,bf16_ops,splits=1", or e.g. default,persistent;
+#                 $ABL_CASES of decode, prefill, v4, v41, default decode,prefill); not recorded (comparisons)
 #   pallas-mega-ablation  benchmarks.pallas_mega_ablation: the pallas mega ops with parts of their in-kernel stages
 #                 removed ($MEGA_ABL_CASES, default mega_v41_h64_t512,mega_v41_h64_t128, mega prefill names too;
 #                 $MEGA_ABL_VARIANTS, default all; one split); not recorded
@@ -19,7 +19,8 @@
 #                 copy what you need (the device tool returns at most 8 files)
 #   model-tests   tests/model/test_engine.py with impl=auto on the GPU
 #   bench         python -m benchmarks.sparse_mla --quick (every available impl, or $BENCH_IMPLS; $BENCH_FLAGS
-#                 adds flags, e.g. --breakdown: each kernel's CUPTI time)
+#                 adds flags, e.g. --breakdown: each kernel's CUPTI time, or --pallas-ctas sms: persistent pallas
+#                 CTAs; bench-flashmla and bench-mega take $BENCH_FLAGS too)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
 #   bench-flashmla  python -m benchmarks.sparse_mla --suite flashmla ($FM_CASES, default decode,prefill; $BENCH_IMPLS)
 #   bench-step    python -m benchmarks.sparse_mla --suite step ($STEP_BATCHES, default 64,128)
@@ -110,7 +111,7 @@ for s in "${stages[@]}"; do
     bench-step) run timeout 560 $PY -m benchmarks.sparse_mla --suite step --step-batches "${STEP_BATCHES:-64,128}" \
         ${BENCH_IMPLS:+--impls $BENCH_IMPLS} --out "$OUT/step" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_step.log" ;;
     bench-mega) run timeout 560 $PY -m benchmarks.sparse_mla --suite mega ${MEGA_CASES:+--cases $MEGA_CASES} \
-        --impls "${BENCH_IMPLS:-cuda}" --out "$OUT/mega" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_mega.log" ;;
+        --impls "${BENCH_IMPLS:-cuda}" ${BENCH_FLAGS:-} --out "$OUT/mega" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench_mega.log" ;;
     flashmla)
       rm -rf /tmp/FlashMLA && tar xzf "${FLASHMLA_TGZ:-.flashmla/flashmla_src.tgz}" -C /tmp
       so="/tmp/FlashMLA/flash_mla/cuda$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"

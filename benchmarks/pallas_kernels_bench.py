@@ -13,8 +13,9 @@ once, q read and out written once), and the two floors (FLOPs at 790 TFLOP/s bf1
 Variants, all of them what `impl="pallas"` can run: `default`, `f16` / `bf16_ops` (f16 Q, K tile
 and P, one P V wgmma / bf16 ones with P = P_hi + P_lo, exact over bf16's range; the defaults: f16
 for large prefill, bf16 for decode; `pallas_kernels.kernel_options`), `splits=N` (forced split
-count, `pallas_kernels.num_splits_override`), `a+b` (both). `--variants a,b --cases decode,prefill`
-picks them.
+count, `pallas_kernels.num_splits_override`), `persistent` / `ctas=N` (one persistent CTA per SM / at most N,
+each looping over the (row, split, head group) items: `pallas_kernels.kernel_options(ctas=...)`), `a+b` (both).
+`--variants a,b --cases decode,prefill,v4,v41` picks them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def _fp8_cache(key, num_blocks, block_size):
 def _cache(key, kv_format, num_blocks, block_size):
     if kv_format == "bf16":
         return jax.random.normal(key, (num_blocks, block_size, 512), jnp.float32).astype(jnp.bfloat16)
+    if kv_format != "fp8_ds_mla":  # V4.1 records: quantized from random latents by the cache's own writer
+        from benchmarks.inputs import filled_cache
+
+        return filled_cache(key, num_blocks * block_size, block_size, kv_format)[0]
     return jax.jit(_fp8_cache, static_argnums=(1, 2))(key, num_blocks, block_size)
 
 
@@ -126,6 +131,10 @@ def run(name, kind, case, variant, iters):
             opts["f16"] = False
         elif part.startswith("splits="):
             splits = int(part.split("=")[1])
+        elif part == "persistent":
+            opts["ctas"] = "sms"
+        elif part.startswith("ctas="):
+            opts["ctas"] = int(part.split("=")[1])
         elif part != "default":
             raise ValueError(f"unknown variant {part!r} in {variant!r}")
     op = sparse_mla_decode if kind == "decode" else sparse_mla_prefill
@@ -165,7 +174,8 @@ def main(argv=None):
                     help="comma-separated variants for the two target cases (default, f16, bf16_ops, splits=N, "
                          "a+b); implies --quick's case list")
     ap.add_argument("--cases", default="decode,prefill",
-                    help="with --variants: decode, prefill and/or v4 (decode h128 SWA 128 + extra 1024)")
+                    help="with --variants: decode, prefill, v4 (decode h128 SWA 128 + extra 1024) and/or v41 "
+                         "(the V4.1-Flash decode: h64, SWA 128 from mxfp8_ds_mla + 512 from nvfp4_ds_mla)")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"needs a CUDA GPU (default backend {jax.default_backend()!r})")
@@ -184,11 +194,18 @@ def main(argv=None):
         return ("decode b128 sq2 h128 swa128+c1024", "decode",
                 decode_case(128, 2, 128, 128, block_size=256, extra=(1024, 64, "fp8_ds_mla", 8192), tokens_per_req=256))
 
+    def v41():
+        return ("decode b128 sq2 h64 swa128mx+c512nv", "decode",
+                decode_case(128, 2, 64, 128, kv_format="mxfp8_ds_mla", block_size=256,
+                            extra=(512, 64, "nvfp4_ds_mla", 8192), tokens_per_req=256))
+
     if a.variants:
         vs = a.variants.split(",")
         plan = [(n, k, c, vs) for n, k, c, _ in plan if k in a.cases.split(",")]
         if "v4" in a.cases.split(","):
             plan.append((*v4(), vs))
+        if "v41" in a.cases.split(","):
+            plan.append((*v41(), vs))
     elif not a.quick:
         plan += [
             (*v4(), ["default"]),
