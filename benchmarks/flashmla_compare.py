@@ -160,7 +160,15 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--record", default=None)
+    from benchmarks.inputs import PALLAS_CTAS_HELP, pallas_ctas
+
+    ap.add_argument("--pallas-ctas", default=None, help=PALLAS_CTAS_HELP)
     args = ap.parse_args(argv)
+    with pallas_ctas(args.pallas_ctas):
+        return _main(ap, args, argv)
+
+
+def _main(ap, args, argv) -> int:
 
     import jax
 

@@ -20,7 +20,7 @@
 #   model-tests   tests/model/test_engine.py with impl=auto on the GPU
 #   bench         python -m benchmarks.sparse_mla --quick (every available impl, or $BENCH_IMPLS; $BENCH_FLAGS
 #                 adds flags, e.g. --breakdown: each kernel's CUPTI time, or --pallas-ctas sms: persistent pallas
-#                 CTAs; bench-flashmla and bench-mega take $BENCH_FLAGS too)
+#                 CTAs; bench-flashmla, bench-mega and compare take $BENCH_FLAGS too)
 #   bench-full    python -m benchmarks.sparse_mla (all cases)
 #   bench-flashmla  python -m benchmarks.sparse_mla --suite flashmla ($FM_CASES, default decode,prefill; $BENCH_IMPLS)
 #   bench-step    python -m benchmarks.sparse_mla --suite step ($STEP_BATCHES, default 64,128)
@@ -127,7 +127,7 @@ for s in "${stages[@]}"; do
       export PYTHONPATH="/tmp/FlashMLA:$PYTHONPATH"
       $PY -c "import flash_mla; print('flash_mla', flash_mla.__file__)" ;;
     compare) run timeout 560 $PY -m benchmarks.flashmla_compare --cases "${FM_CASES:-decode,prefill}" ${BENCH_IMPLS:+--impls $BENCH_IMPLS} \
-        --out "$OUT/cmp" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/compare.log" ;;
+        ${BENCH_FLAGS:-} --out "$OUT/cmp" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/compare.log" ;;
     bench-full) run timeout 560 $PY -m benchmarks.sparse_mla --out "$OUT" --record "$OUT/results_rows.md" 2>&1 | tee "$OUT/bench.log" ;;
     narrow-trace) run timeout 500 $PY -m benchmarks.narrow_trace --variants "${TRACE_VARIANTS:-default,no_gather}" \
         --case "${TRACE_CASE:-fm_decode_b128_h8_k128p256+512p64}" 2>&1 | tee "$OUT/narrow_trace.log" ;;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 
@@ -25,6 +26,19 @@ def request_indices(key, b: int, s_q: int, topk: int, capacity: int) -> jax.Arra
     per = capacity // b
     base = (jnp.arange(b) * per)[:, None, None]
     return (base + jax.random.randint(key, (b, s_q, topk), 0, per)).astype(jnp.int32)
+
+
+PALLAS_CTAS_HELP = ("the pallas kernels as persistent CTAs: at most N, or 'sms' (one per SM); "
+                    "`pallas_kernels.kernel_options(ctas=...)`")
+
+
+def pallas_ctas(value: str | None):
+    """The context of a benchmark's `--pallas-ctas` (PALLAS_CTAS_HELP): persistent pallas CTAs, or None: as they are."""
+    if value is None:
+        return contextlib.nullcontext()
+    import pallas_kernels
+
+    return pallas_kernels.kernel_options(ctas=value if value == "sms" else int(value))
 
 
 def git_commit() -> str:

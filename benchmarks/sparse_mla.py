@@ -390,17 +390,12 @@ def main(argv=None) -> int:
                     help="also print the CUPTI time of each kernel a call launches (CUPTI timing only)")
     ap.add_argument("--suite", choices=("default", "flashmla", "step", "mega"), default="default")
     ap.add_argument("--step-batches", default="64,128", help="requests of the step suite")
-    ap.add_argument("--pallas-ctas", default=None,
-                    help="the pallas kernels as persistent CTAs: at most N, or 'sms' (one per SM); "
-                         "`pallas_kernels.kernel_options(ctas=...)`")
-    args = ap.parse_args(argv)
-    if args.pallas_ctas is not None:
-        import pallas_kernels
+    from benchmarks.inputs import PALLAS_CTAS_HELP, pallas_ctas
 
-        ctas = args.pallas_ctas if args.pallas_ctas == "sms" else int(args.pallas_ctas)
-        with pallas_kernels.kernel_options(ctas=ctas):
-            return _main(ap, args, argv)
-    return _main(ap, args, argv)
+    ap.add_argument("--pallas-ctas", default=None, help=PALLAS_CTAS_HELP)
+    args = ap.parse_args(argv)
+    with pallas_ctas(args.pallas_ctas):
+        return _main(ap, args, argv)
 
 
 def _main(ap, args, argv) -> int:

@@ -213,3 +213,26 @@ def test_pallas_mega_ablation_variants_change_the_kernel():
     plain_default = plain_module("default")
     for v in plain_only:
         assert module(v) == default and plain_module(v) != plain_default, v
+
+
+def test_pallas_ctas_flag_sets_the_kernel_option():
+    # `--pallas-ctas` (benchmarks.sparse_mla, benchmarks.flashmla_compare) runs the pallas kernels as persistent CTAs
+    import pytest
+
+    from benchmarks.inputs import pallas_ctas
+    from pallas_kernels import ops
+
+    def current():
+        return getattr(ops._override, "options", {}).get("ctas")
+
+    assert current() is None
+    with pallas_ctas("sms"):
+        assert current() == "sms"
+        with pallas_ctas("7"):
+            assert current() == 7
+        with pallas_ctas(None):
+            assert current() == "sms"
+    assert current() is None
+    with pytest.raises(ValueError, match="ctas must be a count"):
+        with pallas_ctas("-3"):
+            pass
