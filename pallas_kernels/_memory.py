@@ -159,8 +159,8 @@ def _item(prog: Program, k, n):
     Returns the next free slot."""
     spec = prog.spec
     load_q(prog, k)
-    # The constants come with Q for an item's first block, and for the mega output (whose epilogue releases
-    # both); otherwise after the first block (the previous item's epilogue reads the sink)
+    # The constants come with Q for the CTA's first item and for the mega output (whose epilogue releases both);
+    # otherwise after the item's first block (the previous item's epilogue reads the sink)
     late = (k > 0) & (not spec.mega_out)
 
     @pl.when(jnp.logical_not(late))
