@@ -117,20 +117,15 @@ class Program:
     h0: Any = None  # first head of the head group
     ranges: tuple = ()  # per pool (first block, end block) of this split
 
-    def items(self):
-        """(first, stride, count) of this CTA's items; count is static (1) without persistent CTAs."""
+    def for_items(self, body, carry):
+        """`carry = body(item_program, k, carry)` over this CTA's items cta, cta + grid, ... (k: the item's ordinal
+        in the CTA); one item, without a loop, unless the CTAs are persistent."""
         cta = lax.axis_index("cta")
         if self.spec.ctas is None:
-            return cta, 1, 1
+            return body(self.at(cta), jnp.int32(0), carry)
         grid = self.spec.grid
-        return cta, grid, (self.spec.items - cta + grid - 1) // grid
-
-    def for_items(self, body, carry):
-        """`carry = body(item_program, k, carry)` over this CTA's items (k: the item's ordinal in the CTA)."""
-        first, stride, count = self.items()
-        if self.spec.ctas is None:  # one item
-            return body(self.at(first), jnp.int32(0), carry)
-        return lax.fori_loop(0, count, lambda k, c: body(self.at(first + k * stride), k, c), carry)
+        count = (self.spec.items - cta + grid - 1) // grid
+        return lax.fori_loop(0, count, lambda k, c: body(self.at(cta + k * grid), k, c), carry)
 
     def at(self, item) -> Program:
         """This program at item `item`: its (row, split, head group) and block ranges."""

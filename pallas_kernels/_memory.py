@@ -212,7 +212,7 @@ def _item(prog: Program, k, n):
 
 
 def memory_warpgroup(prog: Program):
-    """The memory warpgroup's whole program: every item of the CTA (`Program.items`)."""
+    """The memory warpgroup's whole program: every item of the CTA (`Program.for_items`)."""
     spec, s = prog.spec, prog.s
     plgpu.set_max_registers(spec.registers[0], action="decrease")
     if spec.has_rope_bf16 and spec.interpret:

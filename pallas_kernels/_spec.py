@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dsv41_jax import kv_cache as kvc
 
-__all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "scale_offsets_mode", "T", "HB", "D", "HALF", "NOPE",
+__all__ = ["PoolSpec", "KernelSpec", "smem_bytes", "item_count", "scale_offsets_mode", "T", "HB", "D", "HALF", "NOPE",
            "ROPE_DIM", "STAGE_PITCH", "SCALE_GROUPS", "OUT_GROUP", "OUT_WORD", "LOG2E", "LN2", "REG_BUDGET",
            "SMEM_LIMIT", "NBUF", "TILE", "SWIZZLE", "OUT_STAGE_TRANSFORMS", "ROW", "COL", "QUANTIZED_FORMATS"]
 
@@ -99,7 +99,7 @@ class KernelSpec:
     @property
     def items(self) -> int:
         """(row, split, head group) work items: one CTA each unless `ctas` is set."""
-        return self.rows * self.num_splits * self.head_groups
+        return item_count(self.rows, self.num_splits, self.heads)
 
     @property
     def grid(self) -> int:
@@ -168,6 +168,11 @@ class KernelSpec:
         (kernels of quantized pools: Q + 2 K tiles + 2 buffers + scale bytes + indices + sink exceed
         227 KiB by the 1 KiB alignment of each buffer)."""
         return 2 if smem_bytes(self, xbufs=2) <= SMEM_LIMIT else 1
+
+
+def item_count(rows: int, num_splits: int, heads: int) -> int:
+    """(row, split, 64-head group) items of a kernel over `heads` (padded) heads: `KernelSpec.items`."""
+    return rows * num_splits * (heads // HB)
 
 
 def scale_offsets_mode(interpret: bool) -> bool:

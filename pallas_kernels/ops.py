@@ -42,7 +42,7 @@ from pallas_kernels._conversions import to_tile
 from pallas_kernels._kernel import build_kernel
 from pallas_kernels._mega import rope_rows
 from pallas_kernels._spec import (HB, OUT_GROUP, QUANTIZED_FORMATS, SCALE_GROUPS, KernelSpec, PoolSpec, T,
-                                  scale_offsets_mode)
+                                  item_count, scale_offsets_mode)
 
 __all__ = ["decode", "prefill", "mega_decode", "mega_prefill", "combine_splits", "choose_num_splits", "pool_operands",
            "unsupported_reason", "to_f16", "prefill_rows_f16", "decode_operands_f16", "num_splits_override",
@@ -260,7 +260,7 @@ def _run(q_rows, pools, sink, softmax_scale, num_splits, f16=False, rope=None):
     ctas = getattr(_override, "options", {}).get("ctas") or None
     if ctas == "sms":
         ctas = default_num_sms()
-    items = R * num_splits * (Hp // HB)
+    items = item_count(R, num_splits, Hp)
     spec = KernelSpec(rows=R, heads=Hp, pools=tuple(ps for _, ps, _ in pools), num_splits=num_splits,
                       softmax_scale=float(softmax_scale), has_sink=sink is not None,
                       interpret=_interpret.active(), f16=f16, mega=rope is not None,
